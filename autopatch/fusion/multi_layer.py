@@ -1,0 +1,196 @@
+"""The multi-layer fused update: the user's own optimizer steps over a few flat chunks.
+
+Around each ``step()`` the fused groups' ``params`` lists are swapped for chunk parameters (views
+into flat buffers) and the chunks' state is put into ``optimizer.state``; afterwards everything is
+swapped back, so outside ``step()`` the optimizer looks exactly as unpatched: same param groups,
+per-parameter state (views into the flat state), same ``state_dict()``.
+"""
+
+import torch
+
+from .flat import FlatRun, state_signature
+
+
+class NotFusable(RuntimeError):
+    """The optimizer's state after a fused step has no per-parameter form."""
+
+
+class _GroupPlan:
+    def __init__(self, group):
+        self.original = group["params"]
+        self.length = len(group["params"])
+        self.runs = []
+        self.rest = []
+
+    def chunk_params(self):
+        return [c for run in self.runs for c in run.chunks]
+
+
+class MultiLayerStep:
+    """Swaps flat chunks into an optimizer around each step. Not thread-safe per optimizer."""
+
+    def __init__(self, optimizer, chunk_bytes):
+        self.opt = optimizer
+        self.chunk_bytes = int(chunk_bytes)
+        self.plans = None
+        self.swapped = []
+        self.dirty = True
+        self.rebind_grads = True
+        self._rebound_last = False
+        self.excluded = {}          # reason -> count of parameters left out of fusion
+        self.fused_steps = 0
+        self.fallback_steps = 0
+        self.replans = 0
+        self.last_fallback = None
+
+    # -- planning ---------------------------------------------------------------------------
+    def _needs_plan(self):
+        if self.plans is None or self.dirty or len(self.plans) != len(self.opt.param_groups):
+            return True
+        for plan, group in zip(self.plans, self.opt.param_groups):
+            if group["params"] is not plan.original or len(group["params"]) != plan.length:
+                return True
+            if not all(run.is_intact() for run in plan.runs):
+                return True
+        return False
+
+    def _own_storages(self):
+        if self.plans is None:
+            return set()
+        return {run.flat.untyped_storage().data_ptr() for plan in self.plans for run in plan.runs}
+
+    def plan(self):
+        """(Re)build flat runs for every group from the current params and state."""
+        self.restore()
+        own_before = self._own_storages()
+        storage_users = {}
+        for g in self.opt.param_groups:
+            for p in g["params"]:
+                k = p.untyped_storage().data_ptr()
+                storage_users[k] = storage_users.get(k, 0) + 1
+        self.excluded = {}
+        chunk_cache = {}
+        plans = []
+        for group in self.opt.param_groups:
+            plan = _GroupPlan(group)
+            buckets = {}
+            for p in group["params"]:
+                why = self._eligible_with(p, storage_users, own_before)
+                sig = None if why else state_signature(p, self.opt.state.get(p, {}))
+                if why is None and sig is None:
+                    why = "optimizer state is not elementwise"
+                if why:
+                    self.excluded[why] = self.excluded.get(why, 0) + 1
+                    plan.rest.append(p)
+                    continue
+                buckets.setdefault((p.dtype, p.device, sig), []).append(p)
+            for (dtype, _, sig), params in buckets.items():
+                elems = chunk_cache.setdefault(dtype, max(1, self.chunk_bytes // torch.empty(0, dtype=dtype).element_size()))
+                states = [self.opt.state[p] for p in params] if sig else None
+                plan.runs.append(FlatRun(params, states, elems))
+            plans.append(plan)
+        self.plans = plans
+        self.dirty = False
+        self.replans += 1
+
+    def _eligible_with(self, p, storage_users, own):
+        if not p.requires_grad:
+            return "frozen (requires_grad=False)"
+        if p.is_sparse or not p.dtype.is_floating_point:
+            return "sparse or non-floating parameter"
+        if type(p) not in (torch.nn.Parameter, torch.Tensor):
+            return f"tensor subclass {type(p).__name__}"
+        st = p.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr in own:
+            return None
+        if storage_users[ptr] > 1:
+            return "shares storage with another parameter"
+        if st.nbytes() != p.numel() * p.element_size():
+            return "is a view into a larger buffer"
+        return None
+
+    # -- the step -----------------------------------------------------------------------------
+    def swap_in(self):
+        """Gather grads into the flat buffers and put chunks in place of fused params."""
+        if self.swapped:
+            return
+        if self._needs_plan():
+            self.plan()
+        copies_dst, copies_src = [], []
+        for plan, group in zip(self.plans, self.opt.param_groups):
+            if not plan.runs:
+                continue
+            missing = None
+            dst, src = [], []
+            for run in plan.runs:
+                for p, gv in zip(run.params, run.grad_views):
+                    g = p.grad
+                    if g is None or g.is_sparse:
+                        missing = "a parameter has no gradient this step" if g is None else "sparse gradient"
+                        break
+                    if g.data_ptr() != gv.data_ptr():
+                        dst.append(gv)
+                        src.append(g)
+                if missing:
+                    break
+            if missing:
+                # Step this group unfused, exactly as unpatched; re-plan next time so that
+                # parameters whose state moved differently do not share a run.
+                self.dirty = True
+                self.fallback_steps += 1
+                self.last_fallback = missing
+                continue
+            copies_dst += dst
+            copies_src += src
+            group["params"] = plan.chunk_params() + plan.rest
+            for run in plan.runs:
+                for c, cs in zip(run.chunks, run.chunk_states):
+                    self.opt.state[c] = cs
+            self.swapped.append((group, plan))
+        if copies_dst:
+            if self._rebound_last:
+                self.rebind_grads = False   # grads are recreated each step (set_to_none=True)
+            with torch.no_grad():
+                torch._foreach_copy_(copies_dst, copies_src)
+        if self.swapped:
+            self.fused_steps += 1
+
+    def restore(self):
+        """Put the user's params back and keep per-parameter state in step with the flat state."""
+        swapped, self.swapped = self.swapped, []
+        rebound = False
+        for group, plan in swapped:
+            group["params"] = plan.original
+            for run in plan.runs:
+                for c in run.chunks:
+                    self.opt.state.pop(c, None)
+                why = run.sync(self.opt.state.__getitem__)
+                if why:
+                    raise NotFusable(f"{type(self.opt).__qualname__} cannot be fused: {why}")
+                if self.rebind_grads:
+                    for p, gv in zip(run.params, run.grad_views):
+                        if p.grad is not gv:
+                            p.grad = gv
+                    rebound = True
+        self._rebound_last = rebound
+
+    def invalidate(self):
+        """State or params were replaced from outside (load_state_dict, add_param_group)."""
+        self.restore()
+        self.dirty = True
+
+    def describe(self):
+        runs = [run for plan in (self.plans or []) for run in plan.runs]
+        return {
+            "runs": len(runs),
+            "chunks": sum(len(r.chunks) for r in runs),
+            "fused_params": sum(len(r.params) for r in runs),
+            "flat_bytes": sum(r.numel * r.flat.element_size() for r in runs),
+            "chunk_bytes": self.chunk_bytes,
+            "fused_steps": self.fused_steps,
+            "fallback_group_steps": self.fallback_steps,
+            "last_fallback": self.last_fallback,
+            "replans": self.replans,
+            "excluded_params": dict(self.excluded),
+        }

@@ -1,0 +1,124 @@
+"""Fusability probe: does stepping over flat chunks give what stepping per tensor gives?
+
+Run on a throw-away copy of the user's optimizer (same class, same hyperparameters, fresh state)
+over small random tensors of several shapes, so optimizers with per-tensor norms (LAMB, LARS),
+factored state (Adafactor) or matrix updates (Shampoo, Muon) are caught before they touch the
+user's model. Results are cached per class, hyperparameters, dtype and device.
+"""
+
+import copy
+from collections import OrderedDict, defaultdict
+
+import torch
+
+from .multi_layer import MultiLayerStep, NotFusable
+
+SHAPES = [(7, 5), (13,), (3, 4, 5), (1,), (33, 2), (4, 4)]
+STEPS = 3
+_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+               "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+               "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+_cache = {}
+
+
+class ProbeResult:
+    def __init__(self, fusable, bitwise, reason):
+        self.fusable, self.bitwise, self.reason = fusable, bitwise, reason
+
+
+def _hparams_key(group):
+    return tuple(sorted((k, repr(v)) for k, v in group.items() if k != "params"))
+
+
+def _clone(opt, group, params):
+    """A copy of ``opt`` over ``params`` only: no state, no hooks, no reference to the model."""
+    memo = {id(opt.state): defaultdict(dict), id(opt.param_groups): []}
+    for g in opt.param_groups:
+        memo[id(g["params"])] = []
+        for p in g["params"]:
+            memo[id(p)] = torch.empty(0)
+    for name in _HOOK_DICTS:
+        if hasattr(opt, name):
+            memo[id(getattr(opt, name))] = OrderedDict()
+    clone = type(opt).__new__(type(opt))
+    clone.__dict__.update(copy.deepcopy(opt.__dict__, memo))
+    hp = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+    clone.param_groups = [dict(hp, params=params)]
+    clone.state = defaultdict(dict)
+    return clone
+
+
+def _run(opt, params, grads, fused):
+    step = MultiLayerStep(opt, chunk_bytes=48 * params[0].element_size()) if fused else None
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        if step:
+            step.swap_in()
+        try:
+            opt.step()
+        finally:
+            if step:
+                step.restore()
+    return step
+
+
+def probe(opt, group):
+    """Compare fused and per-tensor steps for one param group of ``opt``."""
+    p0 = next((p for p in group["params"] if p.dtype.is_floating_point), None)
+    if p0 is None:
+        return ProbeResult(False, False, "no floating-point parameters")
+    key = (type(opt), _hparams_key(group), p0.dtype, p0.device.type)
+    if key in _cache:
+        return _cache[key]
+    gen = torch.Generator().manual_seed(1234)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    grads = [[torch.randn(s, generator=gen) * (1 + i) for i, s in enumerate(SHAPES)] for _ in range(STEPS)]
+    to = dict(dtype=p0.dtype, device=p0.device)
+    ref = [torch.nn.Parameter(t.to(**to, copy=True)) for t in init]
+    fus = [torch.nn.Parameter(t.to(**to, copy=True)) for t in init]
+    grads = [[g.to(**to) for g in gs] for gs in grads]
+    try:
+        ref_opt = _clone(opt, group, ref)
+        fus_opt = _clone(opt, group, fus)
+        _run(ref_opt, ref, grads, fused=False)
+        _run(fus_opt, fus, grads, fused=True)
+        ref_state = ref_opt.state_dict()["state"]
+        fus_state = fus_opt.state_dict()["state"]
+    except NotFusable as e:
+        result = ProbeResult(False, False, str(e))
+    except Exception as e:  # any failure means: do not fuse this class
+        result = ProbeResult(False, False, f"probe failed: {type(e).__name__}: {e}")
+    else:
+        result = _compare(ref, fus, ref_state, fus_state)
+    _cache[key] = result
+    return result
+
+
+def _compare(ref, fus, ref_state, fus_state):
+    pairs = list(zip(ref, fus))
+    if set(ref_state) != set(fus_state):
+        return ProbeResult(False, False, "fused run keeps state for different parameters")
+    for i in ref_state:
+        a, b = ref_state[i], fus_state[i]
+        if set(a) != set(b):
+            return ProbeResult(False, False, f"fused state keys {sorted(b)} differ from {sorted(a)}")
+        for k in a:
+            va, vb = a[k], b[k]
+            if isinstance(va, torch.Tensor) != isinstance(vb, torch.Tensor):
+                return ProbeResult(False, False, f"state '{k}' changes type when fused")
+            if isinstance(va, torch.Tensor):
+                if va.shape != vb.shape:
+                    return ProbeResult(False, False, f"state '{k}' is not elementwise")
+                pairs.append((va, vb))
+            elif va != vb:
+                return ProbeResult(False, False, f"state '{k}' differs when fused")
+    bitwise = all(torch.equal(a, b) for a, b in pairs)
+    if bitwise:
+        return ProbeResult(True, True, "fused steps are bit-for-bit equal to per-tensor steps")
+    for a, b in pairs:
+        a, b = a.double(), b.double()
+        if not torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True):
+            err = (a - b).abs().max().item()
+            return ProbeResult(False, False, f"per-tensor update (fused result differs by up to {err:.3g})")
+    return ProbeResult(True, False, "fused steps equal per-tensor steps within float rounding")

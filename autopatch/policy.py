@@ -1,0 +1,324 @@
+"""YAML policy -> validated, frozen dataclasses.
+
+A policy is read with ``yaml.safe_load`` semantics only (it can never build Python objects) and
+checked key by key; every error names the file, the line and the dotted key.
+Precedence, lowest first: builtin defaults < policy file < environment < ``enable()`` arguments.
+"""
+
+import dataclasses
+import fnmatch
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+SCHEMA_VERSION = 1
+MODES = ("off", "auto", "multi_layer", "backward", "forward")
+COMPRESSIONS = ("none", "fp16", "bf16", "minmax_uint8")
+TUNABLE_KNOBS = ("mode", "chunk_size_2p", "bucket_size_2p", "hierarchical", "compression", "compile")
+
+
+class PolicyError(ValueError):
+    """An invalid policy: the message names the file, the line and the key."""
+
+
+@dataclass(frozen=True)
+class Optimizers:
+    include: tuple = ("*",)
+    exclude: tuple = ()
+
+    def selects(self, qualname):
+        """Class-name globs match the qualified name or the bare class name."""
+        short = qualname.rsplit(".", 1)[-1]
+        hit = lambda pats: any(fnmatch.fnmatchcase(qualname, p) or fnmatch.fnmatchcase(short, p) for p in pats)
+        return hit(self.include) and not hit(self.exclude)
+
+
+@dataclass(frozen=True)
+class Fusion:
+    mode: str = "auto"
+    chunk_bytes: object = "auto"      # "auto" or a byte count
+    compile: bool = False
+    probe: bool = True
+    force: tuple = ()                  # class globs fused without the probe
+    forbid: tuple = ()                 # class globs never fused
+    observe_steps: int = 3             # mode auto: steps watched before choosing
+
+
+@dataclass(frozen=True)
+class Allreduce:
+    enabled: object = "auto"           # "auto", true or false
+    bucket_bytes: int = 25 * 2**20
+    compression: str = "none"
+    hierarchical: bool = False
+
+
+@dataclass(frozen=True)
+class Autotune:
+    enabled: bool = False
+    knobs: tuple = ("mode", "chunk_size_2p", "bucket_size_2p")
+    warmup_steps: int = 10
+    trial_seconds: float = 5.0
+    max_samples: int = 20
+    log_csv: object = None
+    resume: object = None
+    save_best: object = None
+
+
+@dataclass(frozen=True)
+class Logging:
+    tensorboard_dir: object = None
+    report: object = None
+    summary: bool = True
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str = "default"
+    source: str = "builtin:default"
+    version: int = SCHEMA_VERSION
+    optimizers: Optimizers = field(default_factory=Optimizers)
+    fusion: Fusion = field(default_factory=Fusion)
+    allreduce: Allreduce = field(default_factory=Allreduce)
+    autotune: Autotune = field(default_factory=Autotune)
+    logging: Logging = field(default_factory=Logging)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {"optimizers": Optimizers, "fusion": Fusion, "allreduce": Allreduce,
+             "autotune": Autotune, "logging": Logging}
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$")
+_UNITS = {None: 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def _size(v):
+    if isinstance(v, bool):
+        raise TypeError("expected a byte count like 1048576 or '1MiB'")
+    if isinstance(v, int):
+        n = v
+    elif isinstance(v, str) and _SIZE.match(v):
+        num, unit = _SIZE.match(v).groups()
+        n = int(num) * _UNITS[unit]
+    else:
+        raise TypeError("expected a byte count like 1048576 or '1MiB'")
+    if n < 1024:
+        raise ValueError(f"must be at least 1024 bytes, got {n}")
+    return n
+
+
+def _choice(options):
+    def check(v):
+        if v not in options:
+            raise ValueError(f"expected one of {', '.join(map(str, options))}; got {v!r}")
+        return v
+    return check
+
+
+def _typed(kind, lo=None, hi=None):
+    def check(v):
+        if kind is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if kind is int and isinstance(v, str) and v.strip().lstrip("-").isdigit():
+            v = int(v)
+        if kind is bool and isinstance(v, str):
+            low = v.strip().lower()
+            if low in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                v = low in ("1", "true", "yes", "on")
+        if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
+            raise TypeError(f"expected {kind.__name__}, got {type(v).__name__} {v!r}")
+        if lo is not None and v < lo:
+            raise ValueError(f"must be >= {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise ValueError(f"must be <= {hi}, got {v}")
+        return v
+    return check
+
+
+def _globs(v):
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise TypeError("expected a list of class-name globs")
+    return tuple(v)
+
+
+def _optional_path(v):
+    if v is None or isinstance(v, str):
+        return v
+    raise TypeError(f"expected a path string or null, got {type(v).__name__}")
+
+
+def _chunk(v):
+    return "auto" if v == "auto" else _size(v)
+
+
+def _auto_bool(v):
+    if v == "auto":
+        return v
+    return _typed(bool)(v)
+
+
+def _knobs(v):
+    v = _globs(v)
+    for k in v:
+        _choice(TUNABLE_KNOBS)(k)
+    return v
+
+
+_CHECKS = {
+    "optimizers.include": _globs, "optimizers.exclude": _globs,
+    "fusion.mode": _choice(MODES), "fusion.chunk_bytes": _chunk, "fusion.compile": _typed(bool),
+    "fusion.probe": _typed(bool), "fusion.force": _globs, "fusion.forbid": _globs,
+    "fusion.observe_steps": _typed(int, 1, 1000),
+    "allreduce.enabled": _auto_bool, "allreduce.bucket_bytes": _size,
+    "allreduce.compression": _choice(COMPRESSIONS), "allreduce.hierarchical": _typed(bool),
+    "autotune.enabled": _typed(bool), "autotune.knobs": _knobs,
+    "autotune.warmup_steps": _typed(int, 0), "autotune.trial_seconds": _typed(float, 0.0),
+    "autotune.max_samples": _typed(int, 1, 1000), "autotune.log_csv": _optional_path,
+    "autotune.resume": _optional_path, "autotune.save_best": _optional_path,
+    "logging.tensorboard_dir": _optional_path, "logging.report": _optional_path,
+    "logging.summary": _typed(bool),
+}
+
+
+def builtin_dir():
+    """Builtin policies: inside the installed package, or beside it in a source checkout."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "policies", here.parent / "policies"):
+        if cand.is_dir():
+            return cand
+    return here / "policies"
+
+
+def builtin_names():
+    return sorted(p.stem for p in builtin_dir().glob("*.yaml"))
+
+
+def _lines(text):
+    """Map dotted key -> 1-based line of that key in the YAML text (best effort)."""
+    out = {}
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return out
+
+    def walk(node, prefix):
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = f"{prefix}{k.value}"
+                out[key] = k.start_mark.line + 1
+                walk(v, key + ".")
+    walk(root, "")
+    return out
+
+
+def _apply(values, updates, where, lines):
+    """Validate dotted-key updates and merge them into the nested ``values`` dict."""
+    for key, raw in updates.items():
+        loc = f"{where}:{lines[key]}" if key in lines else where
+        if key not in _CHECKS:
+            section = key.split(".")[0]
+            known = sorted(k for k in _CHECKS if k.startswith(section + ".")) or sorted(_SECTIONS)
+            raise PolicyError(f"{loc}: unknown key '{key}' (known: {', '.join(known)})")
+        try:
+            value = _CHECKS[key](raw)
+        except (TypeError, ValueError) as e:
+            raise PolicyError(f"{loc}: key '{key}': {e}") from None
+        section, name = key.split(".", 1)
+        values[section][name] = value
+
+
+def _flatten(doc, where, lines):
+    """Turn a parsed YAML mapping into dotted keys, rejecting unknown sections."""
+    if doc is None:
+        return {}, {}
+    if not isinstance(doc, dict):
+        raise PolicyError(f"{where}:1: a policy must be a mapping of sections, got {type(doc).__name__}")
+    flat, meta = {}, {}
+    for key, val in doc.items():
+        loc = f"{where}:{lines.get(str(key), 1)}"
+        if key in ("version", "name"):
+            meta[key] = val
+        elif key in _SECTIONS:
+            if val is None:
+                continue
+            if not isinstance(val, dict):
+                raise PolicyError(f"{loc}: key '{key}': expected a mapping, got {type(val).__name__}")
+            for sub, v in val.items():
+                flat[f"{key}.{sub}"] = v
+        else:
+            raise PolicyError(f"{loc}: unknown key '{key}' (known: version, name, {', '.join(_SECTIONS)})")
+    if "version" in meta and meta["version"] != SCHEMA_VERSION:
+        raise PolicyError(f"{where}:{lines.get('version', 1)}: key 'version': "
+                          f"this autopatch reads policy version {SCHEMA_VERSION}, got {meta['version']!r}")
+    return flat, meta
+
+
+def _read(path):
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise PolicyError(f"{path}: cannot read policy file: {e.strerror or e}") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise PolicyError(f"{path}{line}: YAML syntax error: {problem}") from None
+    return doc, _lines(text)
+
+
+def resolve_path(spec):
+    """A builtin name or a path -> (path, display name). Unknown builtins are an error."""
+    if os.sep in spec or spec.endswith((".yaml", ".yml")) or Path(spec).exists():
+        p = Path(spec)
+        if not p.is_file():
+            raise PolicyError(f"{spec}: policy file not found")
+        return p, str(p)
+    p = builtin_dir() / f"{spec}.yaml"
+    if not p.is_file():
+        raise PolicyError(f"unknown builtin policy '{spec}' (builtins: {', '.join(builtin_names())})")
+    return p, spec
+
+
+def load(spec=None, env_overrides=None, overrides=None):
+    """Build the effective Policy.
+
+    ``spec``: builtin name, path, or None for ``default``; ``env_overrides`` and ``overrides``:
+    dotted key -> value, applied in that order on top of the file.
+    """
+    values = {s: {} for s in _SECTIONS}
+    path, display = resolve_path(spec or "default")
+    doc, lines = _read(path)
+    flat, meta = _flatten(doc, str(path), lines)
+    _apply(values, flat, str(path), lines)
+    _apply(values, env_overrides or {}, "environment", {})
+    _apply(values, overrides or {}, "enable() argument", {})
+    sections = {s: cls(**values[s]) for s, cls in _SECTIONS.items()}
+    name = meta.get("name", Path(path).stem)
+    return Policy(name=str(name), source=display, **sections)
+
+
+ENABLE_ALIASES = {
+    "mode": "fusion.mode", "chunk_bytes": "fusion.chunk_bytes", "compile": "fusion.compile",
+    "logdir": "logging.tensorboard_dir", "report": "logging.report", "autotune": "autotune.enabled",
+}
+
+
+def enable_overrides(kwargs):
+    """``enable(**kwargs)`` -> dotted keys. Accepts aliases (``mode=``) and sections (``fusion={...}``)."""
+    out = {}
+    for k, v in kwargs.items():
+        if k in ENABLE_ALIASES:
+            out[ENABLE_ALIASES[k]] = v
+        elif k in _SECTIONS and isinstance(v, dict):
+            out.update({f"{k}.{sub}": val for sub, val in v.items()})
+        else:
+            raise PolicyError(f"enable(): unknown argument '{k}' (use {', '.join(ENABLE_ALIASES)} "
+                              f"or a section mapping: {', '.join(_SECTIONS)})")
+    return out
