@@ -1,0 +1,87 @@
+"""autopatch: faster PyTorch training without editing the script.
+
+The whole public face: ``enable``, ``disable``, ``is_enabled``, ``report``.
+"""
+
+import atexit
+import sys
+import threading
+import warnings
+
+from . import env, policy as _policy
+from .policy import PolicyError
+
+__all__ = ["enable", "disable", "is_enabled", "report", "PolicyError", "__version__"]
+__version__ = "0.1.0"
+
+_lock = threading.RLock()
+_runtime = None        # the active Runtime, or None
+_last = None           # the most recent Runtime, kept for report() after disable()
+_exit = {"registered": False, "summary": False}
+
+
+def enable(policy=None, **overrides):
+    """Enable autopatch for this process.
+
+    ``policy``: a builtin policy name (``default``, ``safe``, ``multi_layer``, ...) or a YAML path;
+    ``None`` uses ``FUSEDOPT_POLICY`` or ``default``. Keyword overrides (``mode=``,
+    ``chunk_bytes=``, ``report=``, ``logdir=``, ``compile=``, ``autotune=``, or a section mapping
+    such as ``fusion={...}``) win over environment variables, which win over the policy file.
+    Raises ``PolicyError`` for an invalid policy. Calling it again while enabled only warns.
+    """
+    global _runtime, _last
+    import os
+    from .runtime import Runtime
+    with _lock:
+        if _runtime is not None:
+            warnings.warn(f"autopatch is already enabled (policy {_runtime.policy.source}); "
+                          "call autopatch.disable() first to change it", RuntimeWarning, stacklevel=2)
+            return
+        pol = _policy.load(policy or os.environ.get(env.POLICY) or None,
+                           env_overrides=env.policy_overrides(),
+                           overrides=_policy.enable_overrides(overrides))
+        rt = Runtime(pol)
+        rt.install()
+        _runtime = _last = rt
+        if not _exit["registered"]:
+            atexit.register(_at_exit)
+            _exit["registered"] = True
+
+
+def disable():
+    """Undo every patch and hook; optimizers go on exactly as unpatched ones. Idempotent."""
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            return
+        _runtime.uninstall()
+        _runtime = None
+
+
+def is_enabled():
+    return _runtime is not None
+
+
+def report():
+    """A JSON-serialisable dict: per optimizer, the mode that ran and why, plus timings."""
+    from .telemetry import build_report
+    with _lock:
+        return build_report(_last, enabled=_runtime is not None)
+
+
+def _at_exit():
+    from .telemetry import summary, write_report
+    rt = _last
+    if rt is None:
+        return
+    rep = report()
+    if rt.policy.logging.report:
+        try:
+            path = write_report(rep, rt.policy.logging.report)
+        except OSError as e:
+            print(f"autopatch: could not write report: {e}", file=sys.stderr)
+        else:
+            if path and _exit["summary"]:
+                print(f"autopatch: report written to {path}", file=sys.stderr)
+    if _exit["summary"] and rt.policy.logging.summary:
+        print(summary(rep), file=sys.stderr)

@@ -1,0 +1,32 @@
+"""The ledger of patches: everything autopatch installs is recorded here and undone on disable.
+
+Attribute patches keep the exact original object (so ``disable()`` restores identity), and torch
+hook handles are removed in reverse order of installation.
+"""
+
+import wrapt
+
+
+class Ledger:
+    def __init__(self):
+        self._patches = []   # (owner, name, original object from owner.__dict__)
+        self._handles = []   # objects with .remove()
+
+    def wrap(self, owner, name, wrapper):
+        """Wrap ``owner.name`` with a wrapt function wrapper ``wrapper(wrapped, instance, args, kwargs)``."""
+        original = vars(owner)[name]
+        wrapt.wrap_function_wrapper(owner, name, wrapper)
+        self._patches.append((owner, name, original))
+
+    def hold(self, *handles):
+        self._handles.extend(handles)
+
+    def uninstall(self):
+        while self._handles:
+            self._handles.pop().remove()
+        while self._patches:
+            owner, name, original = self._patches.pop()
+            setattr(owner, name, original)
+
+    def __len__(self):
+        return len(self._patches) + len(self._handles)
