@@ -65,6 +65,7 @@ class OptimizerController:
     def _decide(self, opt):
         """First step: choose multi_layer when every group passes the probe (or is forced)."""
         fusion = self.policy.fusion
+        self.decided = True   # the probe steps a copy; never decide twice
         if _matches(self.qualname, fusion.force) or not fusion.probe:
             why = "fused without the probe (fusion.force / fusion.probe: false)"
         else:

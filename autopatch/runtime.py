@@ -22,6 +22,12 @@ class Runtime:
         self._by_id = {}
         self.active = False
         self.started = time.perf_counter()
+        # Report sections other rooms add (allreduce, autotune): name -> callable returning a dict.
+        self.sections = {
+            "allreduce": lambda: {"active": False, "reason": "bucketed allreduce is not available in this version"},
+            "autotune": lambda: {"active": False, "reason": "autotune is not available in this version"
+                                 if policy.autotune.enabled else "autotune.enabled is false"},
+        }
 
     def install(self):
         self.active = True

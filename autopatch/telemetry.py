@@ -38,9 +38,7 @@ def build_report(runtime, enabled):
             "optimizer_step_seconds": round(sum(o["step_seconds"] for o in optimizers), 6),
             "steps": sum(o["steps"] for o in optimizers),
         },
-        "allreduce": {"active": False, "reason": "bucketed allreduce is not available in this version"},
-        "autotune": {"active": False, "reason": "autotune is not available in this version"
-                     if runtime.policy.autotune.enabled else "autotune.enabled is false"},
+        **{name: describe() for name, describe in runtime.sections.items()},
     }
 
 

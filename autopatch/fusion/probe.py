@@ -40,8 +40,11 @@ def _clone(opt, group, params):
     for name in _HOOK_DICTS:
         if hasattr(opt, name):
             memo[id(getattr(opt, name))] = OrderedDict()
+    # Per-instance callables (an LR scheduler's wrapper around ``opt.step``) point back at the
+    # user's optimizer: the copy must use its class's methods instead.
+    attrs = {k: v for k, v in vars(opt).items() if not callable(v)}
     clone = type(opt).__new__(type(opt))
-    clone.__dict__.update(copy.deepcopy(opt.__dict__, memo))
+    clone.__dict__.update(copy.deepcopy(attrs, memo))
     hp = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
     clone.param_groups = [dict(hp, params=params)]
     clone.state = defaultdict(dict)
