@@ -37,6 +37,7 @@ class OptimizerController:
         self.step_seconds = 0.0
         self.params = self._count_params(opt)
         self.fused = None
+        self.parked = None      # a MultiLayerStep kept while switched off, to resume losslessly
         self.probe = None
         self._t0 = None
         self._handles = [
@@ -80,6 +81,37 @@ class OptimizerController:
         self.fused = MultiLayerStep(opt, default_chunk_bytes(opt) if chunk == "auto" else chunk)
         prefix = "auto chose multi_layer, the fastest mode available; " if fusion.mode == "auto" else ""
         self._settle("multi_layer", prefix + why)
+
+    def set_mode(self, mode):
+        """Switch between steps (the autotuner does this); lossless by construction.
+
+        Returns the mode in effect: a class the probe rejected stays ``off``.
+        """
+        opt = self.ref()
+        if opt is None:
+            return self.mode
+        if not self.decided:
+            self._decide(opt)
+        if mode == self.mode:
+            return self.mode
+        if mode == "off":
+            if self.fused is not None:
+                self.fused.restore()
+                self.parked = self.fused
+                self.fused = None
+            self._settle("off", "switched off at run time")
+        elif mode == "multi_layer" and (self.fused is not None or self.parked is not None):
+            self.fused, self.parked = self.fused or self.parked, None
+            self.fused.invalidate()   # per-parameter state moved on while unfused
+            self._settle("multi_layer", "switched to multi_layer at run time")
+        return self.mode
+
+    def set_chunk_bytes(self, chunk_bytes):
+        """Change the chunk size; the flat buffers are re-planned before the next step."""
+        for step in (self.fused, self.parked):
+            if step is not None:
+                step.chunk_bytes = int(chunk_bytes)
+                step.invalidate()
 
     def _pre_step(self, opt, args, kwargs):
         self._t0 = time.perf_counter()
