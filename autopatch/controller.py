@@ -26,8 +26,9 @@ def _matches(qualname, globs):
 
 
 class OptimizerController:
-    def __init__(self, policy, opt):
-        self.policy = policy
+    def __init__(self, runtime, opt):
+        self.runtime = runtime
+        policy = self.policy = runtime.policy
         self.ref = weakref.ref(opt)
         self.qualname = qualified_name(type(opt))
         self.mode = "off"
@@ -141,6 +142,8 @@ class OptimizerController:
         if self._t0 is not None:
             self.step_seconds += time.perf_counter() - self._t0
             self._t0 = None
+        for listener in self.runtime.step_listeners:
+            listener(self)
 
     def _before_state_dict(self, opt):
         if self.fused is not None:

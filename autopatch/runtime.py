@@ -19,6 +19,7 @@ class Runtime:
         self.policy = policy
         self.ledger = Ledger()
         self.controllers = []
+        self.step_listeners = []   # called with the controller after every optimizer step
         self._by_id = {}
         self.active = False
         self.started = time.perf_counter()
@@ -56,7 +57,7 @@ class Runtime:
         from .controller import OptimizerController
         if id(opt) in self._by_id and self._by_id[id(opt)].ref() is opt:
             return
-        ctrl = OptimizerController(self.policy, opt)
+        ctrl = OptimizerController(self, opt)
         self._by_id[id(opt)] = ctrl
         self.controllers.append(ctrl)
 
