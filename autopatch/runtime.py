@@ -45,6 +45,7 @@ class Runtime:
         if len(self.ledger):
             return
         self.ledger.wrap(optim.Optimizer, "__init__", self._after_init)
+        gc.collect()   # adopt live optimizers only, not garbage awaiting collection
         for obj in gc.get_objects():
             if issubclass(type(obj), optim.Optimizer):
                 self.adopt(obj)
