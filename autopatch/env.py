@@ -16,7 +16,18 @@ AUTOTUNE = "FUSEDOPT_AUTOTUNE"    # overrides autotune.enabled
 AUTOTUNE_RESUME = "FUSEDOPT_AUTOTUNE_RESUME"  # overrides autotune.resume
 
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
+
+# The single policy key each variable overrides. Values stay raw strings: the policy checks them
+# with its own rules, so a bad one is a PolicyError naming the variable, like a bad policy file.
+OVERRIDES = {
+    MODE: "fusion.mode",
+    CHUNK_BYTES: "fusion.chunk_bytes",
+    LOGDIR: "logging.tensorboard_dir",
+    REPORT: "logging.report",
+    AUTOTUNE: "autotune.enabled",
+    AUTOTUNE_RESUME: "autotune.resume",
+}
+_STRIPPED = {MODE, CHUNK_BYTES, AUTOTUNE}
 
 
 def flag(name, environ=None):
@@ -24,29 +35,8 @@ def flag(name, environ=None):
     return (environ if environ is not None else os.environ).get(name, "").strip().lower() in _TRUE
 
 
-def parse_bool(name, value):
-    v = value.strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise ValueError(f"{name}={value!r}: expected one of 1/0, true/false, yes/no, on/off")
-
-
 def policy_overrides(environ=None):
     """The policy keys set by environment variables, as dotted key -> raw value."""
     env = environ if environ is not None else os.environ
-    out = {}
-    if env.get(MODE):
-        out["fusion.mode"] = env[MODE].strip()
-    if env.get(CHUNK_BYTES):
-        out["fusion.chunk_bytes"] = env[CHUNK_BYTES].strip()
-    if env.get(LOGDIR):
-        out["logging.tensorboard_dir"] = env[LOGDIR]
-    if env.get(REPORT):
-        out["logging.report"] = env[REPORT]
-    if env.get(AUTOTUNE):
-        out["autotune.enabled"] = parse_bool(AUTOTUNE, env[AUTOTUNE])
-    if env.get(AUTOTUNE_RESUME):
-        out["autotune.resume"] = env[AUTOTUNE_RESUME]
-    return out
+    return {key: env[var].strip() if var in _STRIPPED else env[var]
+            for var, key in OVERRIDES.items() if env.get(var)}

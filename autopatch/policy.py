@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from . import env as _env
+
 SCHEMA_VERSION = 1
 MODES = ("off", "auto", "multi_layer", "backward", "forward")
 COMPRESSIONS = ("none", "fp16", "bf16", "minmax_uint8")
@@ -155,6 +157,11 @@ def _chunk(v):
     return "auto" if v == "auto" else _size(v)
 
 
+def _mode(v):
+    # YAML 1.1 reads an unquoted ``mode: off`` as false.
+    return _choice(MODES)("off" if v is False else v)
+
+
 def _auto_bool(v):
     if v == "auto":
         return v
@@ -170,7 +177,7 @@ def _knobs(v):
 
 _CHECKS = {
     "optimizers.include": _globs, "optimizers.exclude": _globs,
-    "fusion.mode": _choice(MODES), "fusion.chunk_bytes": _chunk, "fusion.compile": _typed(bool),
+    "fusion.mode": _mode, "fusion.chunk_bytes": _chunk, "fusion.compile": _typed(bool),
     "fusion.probe": _typed(bool), "fusion.force": _globs, "fusion.forbid": _globs,
     "allreduce.enabled": _auto_bool, "allreduce.bucket_bytes": _size,
     "allreduce.compression": _choice(COMPRESSIONS), "allreduce.hierarchical": _typed(bool),
@@ -295,7 +302,9 @@ def load(spec=None, env_overrides=None, overrides=None):
     doc, lines = _read(path)
     flat, meta = _flatten(doc, str(path), lines)
     _apply(values, flat, str(path), lines)
-    _apply(values, env_overrides or {}, "environment", {})
+    variables = {key: var for var, key in _env.OVERRIDES.items()}
+    for key, raw in (env_overrides or {}).items():
+        _apply(values, {key: raw}, f"environment variable {variables.get(key, key)}", {})
     _apply(values, overrides or {}, "enable() argument", {})
     sections = {s: cls(**values[s]) for s, cls in _SECTIONS.items()}
     name = meta.get("name", Path(path).stem)
