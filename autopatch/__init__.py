@@ -8,8 +8,7 @@ import sys
 import threading
 import warnings
 
-from . import env, policy as _policy
-from .policy import PolicyError
+from . import env
 
 __all__ = ["enable", "disable", "is_enabled", "report", "PolicyError", "__version__"]
 __version__ = "0.1.0"
@@ -31,6 +30,7 @@ def enable(policy=None, **overrides):
     """
     global _runtime, _last
     import os
+    from . import policy as _policy
     from .runtime import Runtime
     with _lock:
         if _runtime is not None:
@@ -58,6 +58,15 @@ def disable():
         _runtime = None
 
 
+def __getattr__(name):
+    # Imported on first use: the start-up gate imports this package and must be able to catch a
+    # broken PyYAML like any other start-up failure.
+    if name == "PolicyError":
+        from .policy import PolicyError
+        return PolicyError
+    raise AttributeError(f"module 'autopatch' has no attribute {name!r}")
+
+
 def is_enabled():
     return _runtime is not None
 
@@ -72,8 +81,8 @@ def report():
 def _at_exit():
     from .telemetry import summary, write_report
     rt = _last
-    if rt is None:
-        return
+    if rt is None or not rt.controllers:
+        return   # a launcher (torchrun) or a helper process: no optimizer, nothing to report
     rep = report()
     if rt.policy.logging.report:
         try:

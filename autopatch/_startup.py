@@ -17,12 +17,12 @@ def run():
         return
     _done = True
     from . import env
+    strict = env.flag(env.STRICT)
     try:
-        strict = env.flag(env.STRICT)
         import autopatch
         from .policy import PolicyError
     except Exception as e:  # a broken install must not break the program
-        sys.stderr.write(f"autopatch: not enabled, start-up failed: {type(e).__name__}: {e}\n")
+        _failed(e, strict)
         return
     try:
         autopatch.enable()
@@ -32,8 +32,12 @@ def run():
         sys.stderr.flush()
         os._exit(2)
     except Exception as e:
-        sys.stderr.write(f"autopatch: not enabled, start-up failed: {type(e).__name__}: {e}\n")
-        if strict:
-            sys.stderr.write("autopatch: FUSEDOPT_STRICT=1, stopping\n")
-            sys.stderr.flush()
-            os._exit(1)
+        _failed(e, strict)
+
+
+def _failed(error, strict):
+    sys.stderr.write(f"autopatch: not enabled, start-up failed: {type(error).__name__}: {error}\n")
+    if strict:
+        sys.stderr.write("autopatch: FUSEDOPT_STRICT=1, stopping\n")
+        sys.stderr.flush()
+        os._exit(1)
