@@ -47,7 +47,9 @@ class Runtime:
         self.ledger.wrap(optim.Optimizer, "__init__", self._after_init)
         gc.collect()   # adopt live optimizers only, not garbage awaiting collection
         for obj in gc.get_objects():
-            if issubclass(type(obj), optim.Optimizer):
+            # Wrappers that skip Optimizer.__init__ (accelerate's AcceleratedOptimizer) have no
+            # hooks of their own; the optimizer they wrap is adopted by itself.
+            if issubclass(type(obj), optim.Optimizer) and hasattr(obj, "_optimizer_step_pre_hooks"):
                 self.adopt(obj)
 
     def _after_init(self, wrapped, instance, args, kwargs):
