@@ -6,6 +6,8 @@ flat buffer (or of any chunk of it) is an update of the parameters. Chunks are p
 flat buffer; a parameter may straddle two chunks, which is harmless for elementwise updates.
 """
 
+import bisect
+
 import torch
 
 FULL, SCALAR, PYTHON = "full", "scalar", "python"
@@ -37,9 +39,14 @@ def state_signature(param, state):
 
 
 class FlatRun:
-    """Parameters flattened into one buffer, with a flat gradient buffer and chunk views."""
+    """Parameters flattened into one buffer, with chunk views and per-chunk optimizer state.
 
-    def __init__(self, params, states, chunk_elems):
+    ``align=True`` cuts chunks only at parameter boundaries, so each parameter belongs to one
+    chunk (backward and forward fusion step chunks one at a time). ``grad_buffer=False`` skips
+    the persistent flat gradient buffer (backward fusion gathers each chunk's grads on the fly).
+    """
+
+    def __init__(self, params, states, chunk_elems, align=False, grad_buffer=True):
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]
         self.offsets, total = [], 0
@@ -49,22 +56,38 @@ class FlatRun:
         self.numel = total
         p0 = self.params[0]
         self.flat = self._flatten_params(p0.dtype, p0.device)
-        self.flat_grad = torch.zeros_like(self.flat)
-        self.grad_views = [self._view(self.flat_grad, i) for i in range(len(self.params))]
+        self.flat_grad = torch.zeros_like(self.flat) if grad_buffer else None
+        self.grad_views = [self._view(self.flat_grad, i) for i in range(len(self.params))] if grad_buffer else None
         self.param_ptrs = [p.data_ptr() for p in self.params]
-        bounds = list(range(0, total, max(1, chunk_elems))) + [total]
-        self.chunks = []
-        for s, e in zip(bounds[:-1], bounds[1:]):
-            c = torch.nn.Parameter(self.flat[s:e], requires_grad=True)
-            c.grad = self.flat_grad[s:e]
-            self.chunks.append(c)
+        bounds = self._aligned_bounds(chunk_elems) if align else list(range(0, total, max(1, chunk_elems))) + [total]
         self.chunk_bounds = list(zip(bounds[:-1], bounds[1:]))
+        self.chunk_spans = [self._span(s, e) for s, e in self.chunk_bounds]
+        self.chunks = []
+        for s, e in self.chunk_bounds:
+            c = torch.nn.Parameter(self.flat[s:e], requires_grad=True)
+            if grad_buffer:
+                c.grad = self.flat_grad[s:e]
+            self.chunks.append(c)
         self.chunk_states = [dict() for _ in self.chunks]
+        self.chunk_keys = [set() for _ in self.chunks]   # state keys already mirrored per param
         self.flat_state = {}       # key -> flat tensor (full-size state)
         self.scalar_state = {}     # key -> 1-D buffer, element i is parameter i's 0-dim value
-        self.python_state = {}     # key -> plain value shared by every parameter
-        self.known_keys = set()
         self._adopt_state(states)
+
+    def _aligned_bounds(self, chunk_elems):
+        bounds, filled = [0], 0
+        for o, p in zip(self.offsets, self.params):
+            if filled and filled + p.numel() > chunk_elems:
+                bounds.append(o)
+                filled = 0
+            filled += p.numel()
+        return bounds + [self.numel]
+
+    def _span(self, s, e):
+        """Indices [i0, i1) of the parameters overlapping flat range [s, e)."""
+        i0 = bisect.bisect_right(self.offsets, s) - 1
+        i1 = bisect.bisect_left(self.offsets, e)
+        return i0, i1
 
     def _view(self, flat, i):
         o = self.offsets[i]
@@ -91,95 +114,71 @@ class FlatRun:
             return
         for key, v in states[0].items():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
-                flat = torch.empty(self.numel, dtype=v.dtype, device=v.device)
+                flat = self.flat_state[key] = torch.empty(self.numel, dtype=v.dtype, device=v.device)
                 for i, st in enumerate(states):
                     self._view(flat, i).copy_(st[key])
-                self._set_full(key, flat, states)
+                    st[key] = self._view(flat, i)
+                for cs, (s, e) in zip(self.chunk_states, self.chunk_bounds):
+                    cs[key] = flat[s:e]
             elif isinstance(v, torch.Tensor):
-                buf = torch.stack([st[key] for st in states])
-                self._set_scalar(key, buf, states)
+                buf = self.scalar_state[key] = torch.stack([st[key] for st in states])
+                for i, st in enumerate(states):
+                    st[key] = buf[i]
                 for cs in self.chunk_states:
                     cs[key] = v.clone()
             else:
-                self.python_state[key] = v
                 for cs in self.chunk_states:
                     cs[key] = v
-        self.known_keys = set(states[0])
+        for keys in self.chunk_keys:
+            keys.update(states[0])
 
-    def _set_full(self, key, flat, states):
-        self.flat_state[key] = flat
-        for i, st in enumerate(states):
-            st[key] = self._view(flat, i)
-        for cs, (s, e) in zip(self.chunk_states, self.chunk_bounds):
-            cs[key] = flat[s:e]
-
-    def _set_scalar(self, key, buf, states):
-        self.scalar_state[key] = buf
-        for i, st in enumerate(states):
-            st[key] = buf[i]
-
-    def sync(self, state_of):
-        """After a fused step: make per-parameter state agree with the chunks' state.
+    def sync(self, state_of, chunk_ids=None):
+        """After chunks stepped: make per-parameter state agree with those chunks' state.
 
         ``state_of(param)`` gives the optimizer's state dict of a parameter. Returns a reason
-        string when the chunks' state cannot be expressed per parameter.
+        string when a chunk's state cannot be expressed per parameter.
         """
-        keys = set(self.chunk_states[0])
-        if keys == self.known_keys:
-            self.after_step(state_of)
-            return None
-        states = [state_of(p) for p in self.params]
-        return self._consolidate(states, keys)
-
-    def _consolidate(self, states, keys):
-        """Gather lazily created chunk state (first step, or keys added later) into flat buffers."""
-        if any(set(cs) != keys for cs in self.chunk_states):
-            return "chunks created different state keys"
-        for key in keys - self.known_keys:
-            vals = [cs[key] for cs in self.chunk_states]
-            v0 = vals[0]
-            if isinstance(v0, torch.Tensor) and v0.dim() > 0:
-                if any(v.shape != (e - s,) for v, (s, e) in zip(vals, self.chunk_bounds)):
-                    return f"state '{key}' is not elementwise (shape differs from the chunk)"
-                flat = torch.empty(self.numel, dtype=v0.dtype, device=v0.device)
-                for v, (s, e) in zip(vals, self.chunk_bounds):
-                    flat[s:e].copy_(v)
-                self._set_full(key, flat, states)
-            elif isinstance(v0, torch.Tensor):
-                if any(not torch.equal(v, v0) for v in vals[1:]):
-                    return f"scalar state '{key}' differs between chunks"
-                buf = v0.detach().reshape(1).repeat(len(self.params))
-                self._set_scalar(key, buf, states)
-            else:
-                self.python_state[key] = v0
-                for st in states:
-                    st[key] = v0
-        self.known_keys = keys
-        by_id = {id(p): st for p, st in zip(self.params, states)}
-        self.after_step(lambda p: by_id[id(p)])
+        for ci in range(len(self.chunks)) if chunk_ids is None else chunk_ids:
+            why = self._sync_chunk(ci, state_of)
+            if why:
+                return why
         return None
 
-    def after_step(self, state_of):
-        """Keep flat buffers authoritative when the optimizer replaced tensors instead of
-        updating them in place, and copy scalar state out to every parameter."""
-        for c, (s, e) in zip(self.chunks, self.chunk_bounds):
-            if c.data_ptr() != self.flat[s:e].data_ptr():
-                self.flat[s:e].copy_(c.data)
-                c.data = self.flat[s:e]
-        for key, flat in self.flat_state.items():
-            for cs, (s, e) in zip(self.chunk_states, self.chunk_bounds):
-                v = cs[key]
-                if v.data_ptr() != flat[s:e].data_ptr() or v.shape != (e - s,):
+    def _sync_chunk(self, ci, state_of):
+        cs, (s, e), (i0, i1) = self.chunk_states[ci], self.chunk_bounds[ci], self.chunk_spans[ci]
+        c = self.chunks[ci]
+        if c.data_ptr() != self.flat[s:e].data_ptr():   # the optimizer replaced p.data
+            self.flat[s:e].copy_(c.data)
+            c.data = self.flat[s:e]
+        known = self.chunk_keys[ci]
+        for key, v in cs.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                if v.shape != (e - s,):
+                    return f"state '{key}' is not elementwise (shape differs from the chunk)"
+                flat = self.flat_state.get(key)
+                if flat is None:
+                    flat = self.flat_state[key] = torch.zeros(self.numel, dtype=v.dtype, device=v.device)
+                if v.data_ptr() != flat[s:e].data_ptr():       # created lazily, or replaced
                     flat[s:e].copy_(v)
                     cs[key] = flat[s:e]
-        for key, buf in self.scalar_state.items():
-            buf.copy_(self.chunk_states[0][key].expand_as(buf))
-        for key in self.python_state:
-            v = self.chunk_states[0][key]
-            if v is not self.python_state[key]:
-                self.python_state[key] = v
-                for p in self.params:
-                    state_of(p)[key] = v
+                if key not in known:
+                    for i in range(i0, i1):
+                        state_of(self.params[i])[key] = self._view(flat, i)
+            elif isinstance(v, torch.Tensor):
+                buf = self.scalar_state.get(key)
+                if buf is None:
+                    buf = self.scalar_state[key] = v.detach().reshape(1).repeat(len(self.params))
+                buf[i0:i1].copy_(v.expand(i1 - i0))
+                if key not in known:
+                    for i in range(i0, i1):
+                        state_of(self.params[i])[key] = buf[i]
+            else:
+                for i in range(i0, i1):
+                    st = state_of(self.params[i])
+                    if st.get(key, cs) is not v:
+                        st[key] = v
+            known.add(key)
+        return None
 
     def is_intact(self):
         """False when user code moved a parameter (``param.data = ...``, ``model.to(...)``)."""
