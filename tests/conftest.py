@@ -1,0 +1,60 @@
+"""Fixtures: an autopatch that is off again after each test, and real subprocesses of this Python."""
+
+import gc
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import autopatch
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def clean_env(**extra):
+    """This environment without FUSEDOPT_* or launcher variables; ``training`` importable."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("FUSEDOPT_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(TESTS)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_python(args, env=None, cwd=None, timeout=180, python=sys.executable):
+    """Run this interpreter (the one with the installed package) and capture its output."""
+    return subprocess.run([str(python), *map(str, args)], env=env if env is not None else clean_env(),
+                          cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def write_script(path, text):
+    path.write_text(textwrap.dedent(text).lstrip())
+    return path
+
+
+def site_packages():
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+@pytest.fixture
+def ap(monkeypatch):
+    """autopatch with no FUSEDOPT_* variable in effect, disabled again however the test ends."""
+    for k in list(os.environ):
+        if k.startswith("FUSEDOPT_"):
+            monkeypatch.delenv(k)
+    autopatch.disable()
+    gc.collect()
+    yield autopatch
+    autopatch.disable()
+
+
+@pytest.fixture
+def installed():
+    """The zero-code tests need this interpreter to carry the package's .pth line."""
+    pth = site_packages() / "autopatch.pth"
+    assert pth.is_file(), f"{pth} is missing: install the package (pip install -e .) first"
+    return pth
