@@ -1,6 +1,7 @@
 """Shared training loops for the tests: run the same seeded job patched and unpatched."""
 
 import copy
+import hashlib
 
 import torch
 from torch import nn
@@ -100,3 +101,11 @@ class BertAdam(torch.optim.Optimizer):
                     update += group["weight_decay"] * p
                 p.add_(update, alpha=-group["lr"])
         return loss
+
+
+def digest(model):
+    """sha256 over every weight's bytes: equal digests across processes mean bit-for-bit equal weights."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(bytes(p.detach().contiguous().view(-1).view(torch.uint8).tolist()))
+    return h.hexdigest()
