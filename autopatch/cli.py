@@ -5,6 +5,7 @@ import json
 import os
 import runpy
 import sys
+import tempfile
 
 from . import env, policy as _policy
 
@@ -14,6 +15,7 @@ def _run(args):
     os.environ[env.ENABLE] = "1"          # child processes (torchrun workers, spawn) inherit it
     if args.policy:
         os.environ[env.POLICY] = args.policy
+    _bagua_flags(args)
     from . import _startup
     _startup.run()
     if args.module:
@@ -24,6 +26,28 @@ def _run(args):
         sys.path.insert(0, os.path.dirname(os.path.abspath(args.target)))
         runpy.run_path(args.target, run_name="__main__")
     return 0
+
+
+def _bagua_flags(args):
+    """Bagua's autotune flags, passed on as environment so every process of the job sees them."""
+    for value, var in ((args.autotune_max_samples, env.AUTOTUNE_MAX_SAMPLES),
+                       (args.autotune_sampling_confidence_time, env.AUTOTUNE_TRIAL_SECONDS),
+                       (args.autotune_warmup_time, env.AUTOTUNE_WARMUP_SECONDS)):
+        if value is not None:
+            os.environ[var] = str(value)
+    if args.autotune_level is not None:
+        os.environ[env.AUTOTUNE] = "1" if args.autotune_level > 0 else "0"
+    if args.is_output_autotune_log:
+        try:
+            chosen = _policy.load(os.environ.get(env.POLICY), env_overrides=env.policy_overrides())
+        except _policy.PolicyError:
+            return   # start-up reports the invalid policy
+        path = chosen.autotune.log_csv
+        if path is None:   # where Bagua put it: a fresh name in the temp dir
+            fd, path = tempfile.mkstemp(prefix="autopatch_autotune_", suffix=".log")
+            os.close(fd)
+            os.environ[env.AUTOTUNE_LOG] = path
+        print(f"autopatch: autotune log: {path}", file=sys.stderr)
 
 
 def _check(args):
@@ -49,6 +73,15 @@ def parser():
     r = sub.add_parser("run", help="run a training script with autopatch enabled")
     r.add_argument("--policy", help="builtin policy name or YAML path (default: FUSEDOPT_POLICY or 'default')")
     r.add_argument("-m", dest="module", action="store_true", help="run TARGET as a module, like python -m")
+    bagua = r.add_argument_group("autotune, with Bagua's flags")
+    bagua.add_argument("--autotune_level", type=int, choices=(0, 1), help="1: autotune (autotune.enabled)")
+    bagua.add_argument("--autotune_max_samples", type=int, metavar="N", help="at most N trials (autotune.max_samples)")
+    bagua.add_argument("--autotune_sampling_confidence_time", type=float, metavar="S",
+                       help="seconds measured per trial (autotune.trial_seconds)")
+    bagua.add_argument("--autotune_warmup_time", type=float, metavar="S",
+                       help="seconds before the first trial (autotune.warmup_seconds)")
+    bagua.add_argument("--is_output_autotune_log", action="store_true",
+                       help="write the trials CSV (autotune.log_csv, else a new file in the temp dir)")
     r.add_argument("target", help="the script (or module with -m)")
     r.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     r.set_defaults(func=_run)

@@ -14,6 +14,11 @@ LOGDIR = "FUSEDOPT_LOGDIR"        # overrides logging.tensorboard_dir
 REPORT = "FUSEDOPT_REPORT"        # overrides logging.report: JSON report path, "{rank}" expanded
 AUTOTUNE = "FUSEDOPT_AUTOTUNE"    # overrides autotune.enabled
 AUTOTUNE_RESUME = "FUSEDOPT_AUTOTUNE_RESUME"  # overrides autotune.resume
+# The forms of Bagua's autotune flags that `autopatch run` passes on to every process it starts:
+AUTOTUNE_MAX_SAMPLES = "FUSEDOPT_AUTOTUNE_MAX_SAMPLES"      # overrides autotune.max_samples
+AUTOTUNE_TRIAL_SECONDS = "FUSEDOPT_AUTOTUNE_TRIAL_SECONDS"  # overrides autotune.trial_seconds
+AUTOTUNE_WARMUP_SECONDS = "FUSEDOPT_AUTOTUNE_WARMUP_SECONDS"  # overrides autotune.warmup_seconds
+AUTOTUNE_LOG = "FUSEDOPT_AUTOTUNE_LOG"                      # overrides autotune.log_csv
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -26,8 +31,12 @@ OVERRIDES = {
     REPORT: "logging.report",
     AUTOTUNE: "autotune.enabled",
     AUTOTUNE_RESUME: "autotune.resume",
+    AUTOTUNE_MAX_SAMPLES: "autotune.max_samples",
+    AUTOTUNE_TRIAL_SECONDS: "autotune.trial_seconds",
+    AUTOTUNE_WARMUP_SECONDS: "autotune.warmup_seconds",
+    AUTOTUNE_LOG: "autotune.log_csv",
 }
-_STRIPPED = {MODE, CHUNK_BYTES, AUTOTUNE}
+_STRIPPED = {MODE, CHUNK_BYTES, AUTOTUNE, AUTOTUNE_MAX_SAMPLES, AUTOTUNE_TRIAL_SECONDS, AUTOTUNE_WARMUP_SECONDS}
 
 
 def flag(name, environ=None):

@@ -20,6 +20,10 @@ SCHEMA_VERSION = 1
 MODES = ("off", "auto", "multi_layer", "backward", "forward")
 COMPRESSIONS = ("none", "fp16", "bf16", "minmax_uint8")
 TUNABLE_KNOBS = ("mode", "chunk_size_2p", "bucket_size_2p", "hierarchical", "compression", "compile")
+# Search bounds when the policy gives none: (lo, hi) powers of two, or the list of choices.
+DEFAULT_BOUNDS = {"mode": ("off", "multi_layer", "backward", "forward"), "chunk_size_2p": (14, 26),
+                  "bucket_size_2p": (10, 31), "hierarchical": (False, True),
+                  "compression": COMPRESSIONS, "compile": (False, True)}
 
 
 class PolicyError(ValueError):
@@ -61,11 +65,18 @@ class Autotune:
     enabled: bool = False
     knobs: tuple = ("mode", "chunk_size_2p", "bucket_size_2p")
     warmup_steps: int = 10
+    warmup_seconds: float = 0.0        # warm-up ends when both the steps and the seconds have passed
     trial_seconds: float = 5.0
+    windows: int = 5                   # a trial's score is the median over this many windows
     max_samples: int = 20
+    batch_size: object = None          # samples per step on each rank; None: detect, else steps/s
+    bounds: tuple = ()                 # (knob, choices or (lo, hi)) pairs overriding DEFAULT_BOUNDS
     log_csv: object = None
     resume: object = None
     save_best: object = None
+
+    def bounds_of(self, knob):
+        return dict(self.bounds).get(knob, DEFAULT_BOUNDS[knob])
 
 
 @dataclass(frozen=True)
@@ -175,6 +186,38 @@ def _knobs(v):
     return v
 
 
+def _optional_int(v):
+    return None if v is None else _typed(int, 1)(v)
+
+
+def _bounds(v):
+    """``{knob: [lo, hi]}`` for the ``*_2p`` knobs, ``{knob: [choices...]}`` for the others."""
+    if not isinstance(v, dict):
+        raise TypeError(f"expected a mapping of knob -> bounds, got {type(v).__name__}")
+    out = []
+    for knob, b in v.items():
+        _choice(TUNABLE_KNOBS)(knob)
+        if not isinstance(b, list) or not b:
+            raise TypeError(f"{knob}: expected a non-empty list, got {b!r}")
+        if knob.endswith("_2p"):
+            if len(b) != 2:
+                raise ValueError(f"{knob}: expected [lo, hi], got {b!r}")
+            lo, hi = (_typed(int, 6, 40)(x) for x in b)
+            if lo > hi:
+                raise ValueError(f"{knob}: lo {lo} is above hi {hi}")
+            out.append((knob, (lo, hi)))
+        else:
+            modes = _choice(tuple(m for m in MODES if m != "auto"))
+            check = {"mode": lambda x: modes("off" if x is False else x),   # YAML 1.1: off is false
+                     "compression": _choice(COMPRESSIONS)}.get(knob, _typed(bool))
+            try:
+                choices = tuple(dict.fromkeys(check(x) for x in b))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{knob}: {e}") from None
+            out.append((knob, choices))
+    return tuple(out)
+
+
 _CHECKS = {
     "optimizers.include": _globs, "optimizers.exclude": _globs,
     "fusion.mode": _mode, "fusion.chunk_bytes": _chunk, "fusion.compile": _typed(bool),
@@ -182,8 +225,10 @@ _CHECKS = {
     "allreduce.enabled": _auto_bool, "allreduce.bucket_bytes": _size,
     "allreduce.compression": _choice(COMPRESSIONS), "allreduce.hierarchical": _typed(bool),
     "autotune.enabled": _typed(bool), "autotune.knobs": _knobs,
-    "autotune.warmup_steps": _typed(int, 0), "autotune.trial_seconds": _typed(float, 0.0),
-    "autotune.max_samples": _typed(int, 1, 1000), "autotune.log_csv": _optional_path,
+    "autotune.warmup_steps": _typed(int, 0), "autotune.warmup_seconds": _typed(float, 0.0),
+    "autotune.trial_seconds": _typed(float, 0.0), "autotune.windows": _typed(int, 1, 100),
+    "autotune.max_samples": _typed(int, 1, 1000), "autotune.batch_size": _optional_int,
+    "autotune.bounds": _bounds, "autotune.log_csv": _optional_path,
     "autotune.resume": _optional_path, "autotune.save_best": _optional_path,
     "logging.tensorboard_dir": _optional_path, "logging.report": _optional_path,
     "logging.summary": _typed(bool),
@@ -321,10 +366,10 @@ def enable_overrides(kwargs):
     """``enable(**kwargs)`` -> dotted keys. Accepts aliases (``mode=``) and sections (``fusion={...}``)."""
     out = {}
     for k, v in kwargs.items():
-        if k in ENABLE_ALIASES:
-            out[ENABLE_ALIASES[k]] = v
-        elif k in _SECTIONS and isinstance(v, dict):
+        if k in _SECTIONS and isinstance(v, dict):   # before aliases: autotune={...} is a section
             out.update({f"{k}.{sub}": val for sub, val in v.items()})
+        elif k in ENABLE_ALIASES:
+            out[ENABLE_ALIASES[k]] = v
         else:
             raise PolicyError(f"enable(): unknown argument '{k}' (use {', '.join(ENABLE_ALIASES)} "
                               f"or a section mapping: {', '.join(_SECTIONS)})")

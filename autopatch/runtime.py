@@ -31,7 +31,9 @@ class Runtime:
         }
 
     def install(self):
+        from .observe import attach
         self.active = True
+        self._detach = attach(self)   # step timer, TensorBoard, autotune: only when asked
         if "torch.optim" in sys.modules:
             self._patch_torch(sys.modules["torch.optim"])
         else:
@@ -66,6 +68,7 @@ class Runtime:
 
     def uninstall(self):
         self.active = False
+        self._detach()
         for ctrl in self.controllers:
             ctrl.release()
         self.ledger.uninstall()

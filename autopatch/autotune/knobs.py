@@ -1,0 +1,101 @@
+"""The knobs as this run sees them: which apply, their values now, and switching them.
+
+Fusion knobs act on the optimizers autopatch fuses when the search starts, through the
+controllers' ``set_mode`` / ``set_chunk_bytes`` (lossless between steps). Communication knobs act
+on the bucketed allreduce when one is in charge of a multi-process run, through its setters.
+"""
+
+import math
+
+from .. import controller as _controller
+from ..fusion.chunking import default_chunk_bytes
+from ..step_timer import comm_target
+from .sync import world_size
+
+COMM_SETTERS = {"bucket_size_2p": "set_bucket_bytes", "hierarchical": "set_hierarchical",
+                "compression": "set_compression"}
+
+
+def exponent(nbytes):
+    """log2 of a byte count: an int for powers of two, else the exact float (so it re-applies)."""
+    e = math.log2(nbytes)
+    return int(e) if e.is_integer() else e
+
+
+class RunKnobs:
+    def __init__(self, runtime):
+        self.policy = runtime.policy
+        self.controllers = [c for c in runtime.controllers if c.mode != "off" and c.ref() is not None]
+        self.world = world_size()
+        self.comm = comm_target(runtime) if self.world > 1 else None
+        self.applied = {}
+
+    def why_not(self, knob):
+        """Why a knob does not apply to this run, or None when it does."""
+        if knob in ("mode", "chunk_size_2p") and not self.controllers:
+            return "no optimizer is fused in this run"
+        if knob == "compile":
+            return "no run-time compile switch in this version"
+        if knob in COMM_SETTERS:
+            if self.world == 1:
+                return "single-process run"
+            if not hasattr(self.comm, COMM_SETTERS[knob]):
+                return "no bucketed allreduce with this switch is in charge of this run"
+        return None
+
+    def bounds(self):
+        """(knob -> bounds for the knobs that apply, knob -> reason for those left out)."""
+        bounds, left_out = {}, {}
+        unavailable = getattr(_controller, "UNAVAILABLE", ())
+        for knob in self.policy.autotune.knobs:
+            why = self.why_not(knob)
+            if why:
+                left_out[knob] = why
+                continue
+            b = self.policy.autotune.bounds_of(knob)
+            if knob == "mode":
+                b = tuple(m for m in b if m not in unavailable)
+                if not b:
+                    left_out[knob] = "none of its modes is available in this version"
+                    continue
+            bounds[knob] = b
+        return bounds, left_out
+
+    def current(self, knobs):
+        """The values in effect before any switch: the run's starting config."""
+        fusion, allreduce = self.policy.fusion, self.policy.allreduce
+        now = {}
+        if "mode" in knobs:
+            now["mode"] = self.controllers[0].mode
+        if "chunk_size_2p" in knobs:
+            chunk = fusion.chunk_bytes
+            now["chunk_size_2p"] = exponent(default_chunk_bytes(self.controllers[0].ref())
+                                            if chunk == "auto" else chunk)
+        if "bucket_size_2p" in knobs:
+            now["bucket_size_2p"] = exponent(getattr(self.comm, "bucket_bytes", allreduce.bucket_bytes))
+        if "hierarchical" in knobs:
+            now["hierarchical"] = bool(getattr(self.comm, "hierarchical", allreduce.hierarchical))
+        if "compression" in knobs:
+            now["compression"] = getattr(self.comm, "compression", allreduce.compression)
+        self.applied = dict(now)
+        return now
+
+    def apply(self, config):
+        """Switch to ``config`` (call between steps); knobs already at their value are untouched.
+
+        Returns the modes in effect, which can differ from the one asked for when an optimizer
+        cannot run it (the controller says so)."""
+        changed = {k: v for k, v in config.items() if self.applied.get(k) != v}
+        if "chunk_size_2p" in changed:
+            for c in self.controllers:
+                c.set_chunk_bytes(int(round(2 ** changed["chunk_size_2p"])))
+        if "mode" in changed:
+            for c in self.controllers:
+                c.set_mode(changed["mode"])
+        if "bucket_size_2p" in changed:
+            self.comm.set_bucket_bytes(int(round(2 ** changed["bucket_size_2p"])))
+        for knob in ("hierarchical", "compression"):
+            if knob in changed:
+                getattr(self.comm, COMM_SETTERS[knob])(changed[knob])
+        self.applied.update(changed)
+        return sorted({c.mode for c in self.controllers})

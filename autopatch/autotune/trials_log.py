@@ -1,0 +1,48 @@
+"""What a search leaves behind: the trials CSV in Bagua's layout and the best config as JSON.
+
+The CSV has one column per knob, then ``score`` and ``train_iter`` (the iteration at which the
+trial ended), exactly like Bagua's ``bagua_autotune_*.log``, so existing scripts read it.
+"""
+
+import csv
+import json
+import os
+
+BEST_VERSION = 1
+
+
+class CsvLog:
+    def __init__(self, path, knobs):
+        self.path = path
+        self.knobs = list(knobs)
+        d = os.path.dirname(path)
+        if d:
+            os.makedirs(d, exist_ok=True)
+        with open(path, "w", newline="") as f:
+            csv.writer(f).writerow([*self.knobs, "score", "train_iter"])
+
+    def add(self, config, score, train_iter):
+        with open(self.path, "a", newline="") as f:
+            csv.writer(f).writerow([*(config[k] for k in self.knobs), score, train_iter])
+
+
+def save_best(path, record):
+    d = os.path.dirname(path)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"version": BEST_VERSION, **record}, f, indent=2)
+    os.replace(tmp, path)   # a reader never sees half a file
+
+
+def load_best(path):
+    """The config saved by ``save_best``; ValueError when the file is not one."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("version") != BEST_VERSION or not isinstance(doc.get("config"), dict):
+        raise ValueError(f"{path}: not an autopatch best-config file (version {BEST_VERSION})")
+    return doc["config"]

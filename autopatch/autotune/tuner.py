@@ -1,0 +1,47 @@
+"""Bayesian optimisation over a Space with bayes_opt's ask/tell interface (suggest/register).
+
+As in Horovod's autotuner the acquisition is expected improvement. A proposal that rounds to a
+config already measured (integer and categorical knobs make that common) is replaced by a random
+unmeasured one, so every trial teaches something; the tuner is done when none is left.
+"""
+
+import random
+import warnings
+
+RANDOM_FIRST = 2     # random trials after the starting config, before the Gaussian process leads
+XI = 0.01            # expected-improvement margin: small, throughput differences are small
+
+
+class BayesTuner:
+    def __init__(self, space, seed=0):
+        self.space = space
+        self.scores = {}            # space.key(config) -> score
+        self._rng = random.Random(seed)
+        self._bo = None
+        self._registered = 0
+        if space.searched:
+            from bayes_opt import BayesianOptimization, acquisition
+            with warnings.catch_warnings():   # integer and categorical bounds are "experimental"
+                warnings.simplefilter("ignore", UserWarning)
+                self._bo = BayesianOptimization(
+                    f=None, pbounds=space.pbounds(), random_state=seed, verbose=0,
+                    acquisition_function=acquisition.ExpectedImprovement(xi=XI, random_state=seed),
+                    allow_duplicate_points=True)
+
+    def suggest(self):
+        """The next config to measure, or None when every config has been measured."""
+        unseen = [c for c in self.space.grid() if self.space.key(c) not in self.scores]
+        if not unseen:
+            return None
+        if self._bo is None or self._registered < 1 + RANDOM_FIRST:
+            return self._rng.choice(unseen)
+        config = self.space.decode(self._bo.suggest())
+        if self.space.key(config) in self.scores:
+            return self._rng.choice(unseen)
+        return config
+
+    def register(self, config, score):
+        self.scores[self.space.key(config)] = score
+        if self._bo is not None and self.space.contains(config):
+            self._bo.register(params=self.space.encode(config), target=score)
+            self._registered += 1

@@ -1,0 +1,124 @@
+"""TensorBoard output, written by rank 0 only.
+
+- scalars under ``autopatch/`` in the log dir itself: step, forward, backward, optimizer and
+  communication-wait times (ms per iteration), throughput, and the current autotune trial;
+- one HParams session per autotune trial (its own ``trial-NNN`` run: the knobs as hparams, the
+  score as metric), through ``tensorboard.plugins.hparams.summary_v2``, which needs no TensorFlow;
+- ``autopatch.jsonl``: the same facts as plain records (window, space, trial, frozen), which the
+  autopatch dashboard plugin reads without parsing event files.
+"""
+
+import atexit
+import json
+import os
+import threading
+import time
+
+from .telemetry import rank
+
+JSONL = "autopatch.jsonl"
+SCALAR_PERIOD = 0.5     # seconds of training summarised by one scalar point
+SCORE_TAG = "autopatch/score"
+_TAGS = {"step": "step_time_ms", "forward": "forward_time_ms", "backward": "backward_time_ms",
+         "optimizer": "optimizer_time_ms", "comm": "comm_wait_ms", "other": "other_time_ms",
+         "compute": "compute_time_ms"}
+
+
+class Board:
+    def __init__(self, logdir, timer):
+        self.logdir = logdir
+        self.timer = timer
+        self.trial = None                 # the autotune trial now running, for the scalars
+        self.samples_per_step = None      # set once known; throughput is then samples/s
+        self._acc = timer.accumulator()
+        self._writer = None
+        self._jsonl = None
+        self._closed = False
+        self._lock = threading.Lock()
+        timer.listeners.append(self._tick)
+        atexit.register(self.close)
+
+    def _writing(self):
+        """Rank 0 only, asked at the first write: torch.distributed is set up by then."""
+        if self._writer is None and not self._closed and rank() != 0:
+            self.close()
+        return not self._closed
+
+    def _events(self):
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+            os.makedirs(self.logdir, exist_ok=True)
+            self._writer = SummaryWriter(self.logdir, flush_secs=5)
+            self._jsonl = open(os.path.join(self.logdir, JSONL), "w")
+            self.record({"kind": "start", "time": time.time(), "pid": os.getpid()})
+        return self._writer
+
+    def record(self, rec):
+        """One line of autopatch.jsonl, flushed at once so a live dashboard sees it."""
+        if not self._writing():
+            return
+        self._events()
+        with self._lock:
+            self._jsonl.write(json.dumps(rec) + "\n")
+            self._jsonl.flush()
+
+    def _tick(self, timer):
+        if self._acc.window.seconds >= SCALAR_PERIOD:
+            self.flush_window()
+
+    def flush_window(self):
+        """Write the scalars of the iterations since the last call (also called at each switch)."""
+        w = self._acc.take()
+        if not w.steps or not self._writing():
+            return
+        writer, it = self._events(), self.timer.iteration
+        parts = w.breakdown_ms()
+        for part, ms in parts.items():
+            writer.add_scalar(f"autopatch/{_TAGS[part]}", ms, it)
+        rate = w.steps * (self.samples_per_step or 1) / w.seconds
+        writer.add_scalar("autopatch/throughput", rate, it)
+        if self.trial is not None:
+            writer.add_scalar("autopatch/trial", self.trial, it)
+        clock = self.timer.clock
+        self.record({"kind": "window", "iteration": it, "steps": w.steps, "trial": self.trial,
+                     "mode": getattr(clock, "mode", None), "breakdown_ms": parts, "throughput": rate})
+
+    def space(self, knobs, unit):
+        """The search space as the HParams experiment; ``knobs``: name -> choices or (lo, hi)."""
+        if not self._writing():
+            return
+        from tensorboard.plugins.hparams import summary_v2 as hp
+        hparams = [hp.HParam(name, hp.RealInterval(float(b[0]), float(b[1])) if name.endswith("_2p")
+                             else hp.Discrete(list(b))) for name, b in knobs.items()]
+        pb = hp.hparams_config_pb(hparams, [hp.Metric(SCORE_TAG, display_name=f"throughput ({unit})")])
+        self._events().file_writer.add_summary(pb)
+        self.record({"kind": "space", "knobs": {k: list(v) for k, v in knobs.items()}, "unit": unit})
+
+    def trial_done(self, rec):
+        """One finished trial: its HParams session in its own run, and its record."""
+        if not self._writing():
+            return
+        from tensorboard.plugins.hparams import summary_v2 as hp
+        from torch.utils.tensorboard import SummaryWriter
+        name = f"trial-{rec['trial']:03d}"
+        hparams = {k: (float(v) if k.endswith("_2p") else v) for k, v in rec["config"].items()}
+        with SummaryWriter(os.path.join(self.logdir, name)) as w:
+            w.file_writer.add_summary(hp.hparams_pb(hparams, trial_id=name, start_time_secs=rec["started"]))
+            w.add_scalar(SCORE_TAG, rec["score"], rec["train_iter"])
+        self.record({"kind": "trial", **rec})
+        self._writer.flush()
+
+    def frozen(self, rec):
+        self.record({"kind": "frozen", **rec})
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self):
+        """At exit or disable(); later calls write nothing (a reopen would truncate the records)."""
+        if self._writer is not None and not self._closed:
+            self.flush_window()
+            self._writer.close()
+            self._jsonl.close()
+        self._closed = True
+        if self._tick in self.timer.listeners:
+            self.timer.listeners.remove(self._tick)
