@@ -31,7 +31,7 @@ class Runtime:
         }
 
     def install(self):
-        from .observe import attach
+        from .monitors import attach
         self.active = True
         self._detach = attach(self)   # step timer, TensorBoard, autotune: only when asked
         if "torch.optim" in sys.modules:
