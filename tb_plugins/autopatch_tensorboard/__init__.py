@@ -1,0 +1,1 @@
+"""TensorBoard plugin: the autopatch tab (autotune trials, frozen config, per-mode step times)."""
