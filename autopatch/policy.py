@@ -136,6 +136,11 @@ def _typed(kind, lo=None, hi=None):
             v = float(v)
         if kind is int and isinstance(v, str) and v.strip().lstrip("-").isdigit():
             v = int(v)
+        if kind is float and isinstance(v, str):   # from an environment variable
+            try:
+                v = float(v)
+            except ValueError:
+                pass
         if kind is bool and isinstance(v, str):
             low = v.strip().lower()
             if low in ("1", "true", "yes", "on", "0", "false", "no", "off"):
