@@ -1,0 +1,1 @@
+"""Gradient synchronisation over torch.distributed: buckets, compression, the DDP takeover."""

@@ -1,0 +1,331 @@
+"""Bucketed, asynchronous gradient averaging over torch.distributed, re-bucketable between steps.
+
+A synchronised backward:
+
+1. Each parameter's post-accumulate-grad hook writes its gradient, times 1/world, into the
+   parameter's view of a flat buffer (one multiply, or an in-place scale when ``.grad`` already is
+   that view, as after ``zero_grad(set_to_none=False)``) and makes the view its ``.grad``.
+2. Once every gradient of a bucket is in, the bucket and any full ones after it are launched, in
+   bucket order, with ``async_op=True`` while backward goes on.
+3. An autograd-engine callback at the end of backward (DDP's own mechanism) launches what is left
+   and waits, so ``backward()`` returns averaged gradients: clipping, GradScaler and gradient
+   logging between backward and ``step()`` see what they see under DDP.
+
+The first synchronised backward only records the order gradients arrive in. Rank 0's order is
+broadcast, the flat buffers are laid out in it, and that step is reduced at its end without
+overlap. Every synchronised backward starts with a small all-gather of a layout checksum, launched
+before any bucket; it is checked before anything is waited on, so ranks whose layouts differ
+raise ``LayoutMismatch`` instead of averaging unrelated gradients or hanging.
+
+Knobs for the autotuner: ``set_bucket_bytes(n)``, ``set_compression(name)`` and
+``set_hierarchical(flag)`` take effect at the next synchronised backward. Call them on every rank
+between the same two steps (e.g. rank 0 decides and broadcasts, as Bagua does); a rank that
+disagrees is caught by the checksum. A bucket-size change only moves slice boundaries.
+
+Unused parameters follow DDP's rules: with ``find_unused`` a bitmap of the parameters used since
+the last synchronised step is summed across ranks, and a parameter no rank used keeps its
+``.grad`` as it was (``None`` stays ``None``); without it, a parameter with no gradient is an error,
+as it is in DDP.
+"""
+
+import datetime
+import functools
+import time
+
+import torch
+import torch.distributed as dist
+
+from .buckets import FlatGradients, layout_checksum, plan_buckets
+from .collectives import Averager, all_gather_into
+from .compression import COMPRESSIONS
+from .hierarchy import build_topology
+
+
+class CommunicationError(RuntimeError):
+    """A collective failed or timed out: another rank most likely exited or stalled."""
+
+
+class LayoutMismatch(RuntimeError):
+    """Ranks disagree on the bucket layout, so their buckets cannot be averaged together."""
+
+
+class BucketedAllreduce:
+    """Averages the gradients of ``params`` over ``group`` in buckets of about ``bucket_bytes``."""
+
+    def __init__(self, params, names, group, *, bucket_bytes, compression="none",
+                 hierarchical=False, timeout_seconds=None, find_unused=False):
+        self.params = list(params)
+        self.names = list(names)
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.device = self.params[0].device
+        self.find_unused = find_unused
+        self.timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
+        self.settings = {"bucket_bytes": int(bucket_bytes), "compression": _compression(compression),
+                         "hierarchical": bool(hierarchical)}
+        self.topology = build_topology(self.device) if hierarchical else None
+        self._pending = {}
+        self.flat = None
+        self.buckets = []
+        self.averager = None
+        self.checksum = None
+        self.bytes_per_step = 0
+        self.steps = 0
+        self.wait_seconds = 0.0
+        self.layouts = 0
+        self._armed = False
+        self._reset_step()
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                       for i, p in enumerate(self.params)]
+
+    # -- knobs ------------------------------------------------------------------------------
+    def set_bucket_bytes(self, nbytes):
+        """Use buckets of about ``nbytes`` from the next synchronised backward on."""
+        nbytes = int(nbytes)
+        if nbytes < 1:
+            raise ValueError(f"bucket size must be a positive byte count, got {nbytes}")
+        self._pending["bucket_bytes"] = nbytes
+
+    def set_compression(self, compression):
+        self._pending["compression"] = _compression(compression)
+
+    def set_hierarchical(self, flag):
+        self._pending["hierarchical"] = bool(flag)
+
+    # -- the step ---------------------------------------------------------------------------
+    def arm(self, sync):
+        """A forward pass ran: its backward averages gradients when ``sync`` (DDP's own rule)."""
+        if self._in_backward:   # the previous backward raised before its end-of-backward callback
+            self._reset_step()
+        self._armed = sync
+
+    def _reset_step(self):
+        n = len(self.params)
+        self._in_backward = False
+        self._first_order = []
+        self._used = [False] * n          # since the last synchronised backward, as DDP counts it
+        self._contributed = [False] * n   # in this backward
+        self._missing = [len(b.params) for b in self.buckets]
+        self._next_bucket = 0
+        self._inflight = []
+        self._check = None
+
+    def _on_grad(self, i, param):
+        self._used[i] = True
+        if not self._armed:
+            return
+        if not self._in_backward:
+            self._begin_backward()
+        if self.flat is None:
+            self._first_order.append(i)
+            return
+        if self._contributed[i]:
+            raise RuntimeError(f"autopatch allreduce: parameter '{self.names[i]}' received a gradient "
+                               "twice in one synchronised backward (reentrant checkpointing, or "
+                               "backward through the same graph twice); DDP does not support this either")
+        self._contribute(i)
+        b = self.bucket_of[i]
+        self._missing[b] -= 1
+        if self._missing[b] == 0:
+            self._launch_full_buckets()
+
+    def _begin_backward(self):
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if self._pending:
+            self._apply_settings()
+        if self.flat is not None:
+            self._launch_check()
+
+    def _apply_settings(self):
+        self.settings.update(self._pending)
+        self._pending = {}
+        if self.settings["hierarchical"] and self.topology is None:
+            self.topology = build_topology(self.device)
+        if self.flat is not None:
+            self._relayout()
+
+    def _contribute(self, i):
+        p, view = self.params[i], self.flat.views[i]
+        g = p.grad
+        if g is view:
+            view.mul_(1.0 / self.world)
+        elif g is None:
+            view.zero_()
+        else:
+            if g.is_sparse:
+                raise RuntimeError(f"autopatch allreduce: parameter '{self.names[i]}' has a sparse "
+                                   "gradient, which bucketed allreduce does not reduce")
+            torch.mul(g, 1.0 / self.world, out=view)
+            p.grad = view
+        self._contributed[i] = True
+
+    def _launch_full_buckets(self):
+        while self._next_bucket < len(self.buckets) and self._missing[self._next_bucket] == 0:
+            self._launch(self._next_bucket)
+
+    def _launch(self, b):
+        phases = self.averager.phases(self.buckets[b].tensor)
+        self._inflight.append((phases, next(phases), b))
+        self._next_bucket = b + 1
+
+    def _end_backward(self):
+        try:
+            if self.flat is None:
+                self._first_layout()
+            self._verify_layout()
+            self._contribute_the_rest()
+            while self._next_bucket < len(self.buckets):
+                self._launch(self._next_bucket)
+            used = self._launch_used_bitmap() if self.find_unused else None
+            self._drain()
+            self._bind_grads(self._globally_used(used))
+            self.steps += 1
+        finally:
+            self._armed = False
+            self._reset_step()
+
+    # -- layout -----------------------------------------------------------------------------
+    def _first_layout(self):
+        """Lay the buffers out in rank 0's arrival order; params that got no gradient go last."""
+        seen = list(dict.fromkeys(self._first_order))
+        rest = [i for i in reversed(range(len(self.params))) if i not in set(seen)]
+        order = torch.tensor(seen + rest, dtype=torch.int64, device=self.device)
+        src = dist.get_global_rank(self.group, 0)
+        self._wait(dist.broadcast(order, src=src, group=self.group, async_op=True),
+                   "the broadcast of rank 0's gradient order")
+        self.flat = FlatGradients(self.params, order.tolist())
+        self._relayout()
+        self._launch_check()
+
+    def _relayout(self):
+        s = self.settings
+        self.buckets = plan_buckets(self.flat, s["bucket_bytes"])
+        self.bucket_of = [0] * len(self.params)
+        for b in self.buckets:
+            for i in b.params:
+                self.bucket_of[i] = b.index
+        topology = self.topology if s["hierarchical"] else None
+        self.averager = Averager(self.group, s["compression"], topology)
+        self.checksum = layout_checksum(self.params, self.buckets, self.world, s["bucket_bytes"],
+                                        s["compression"], s["hierarchical"])
+        self.bytes_per_step = sum(self.averager.bytes_sent(b.tensor) for b in self.buckets)
+        self._missing = [len(b.params) for b in self.buckets]
+        self.layouts += 1
+
+    def _summary_row(self):
+        s = self.settings
+        return [self.checksum, s["bucket_bytes"], len(self.buckets),
+                COMPRESSIONS.index(s["compression"]), int(s["hierarchical"]), len(self.params)]
+
+    def _launch_check(self):
+        mine = torch.tensor([self._summary_row()], dtype=torch.int64, device=self.device)
+        rows = torch.empty(self.world, mine.shape[1], dtype=torch.int64, device=self.device)
+        self._check = (all_gather_into(rows, mine, group=self.group, async_op=True), rows)
+
+    def _verify_layout(self):
+        work, rows = self._check
+        self._wait(work, "the bucket layout check")
+        rows = rows.tolist()
+        if all(r == rows[0] for r in rows):
+            return
+        described = "; ".join(
+            f"rank {r}: {n} buckets of {size} bytes over {params} params, compression "
+            f"{COMPRESSIONS[comp]}, hierarchical {'on' if hier else 'off'}, checksum {ck:#010x}"
+            for r, (ck, size, n, comp, hier, params) in enumerate(rows))
+        raise LayoutMismatch(
+            f"autopatch allreduce: ranks disagree on the bucket layout ({described}). Every rank "
+            "must train the same model under the same policy, and set_bucket_bytes / "
+            "set_compression / set_hierarchical must be called on every rank before the same step.")
+
+    # -- the end of a synchronised backward -------------------------------------------------------
+    def _contribute_the_rest(self):
+        """Parameters whose hook did not fire in this backward (unused, or used under no_sync)."""
+        missing = []
+        for i, p in enumerate(self.params):
+            if self._contributed[i]:
+                continue
+            if p.grad is None and not self._used[i] and not self.find_unused:
+                missing.append(self.names[i])
+                continue
+            self._contribute(i)
+        if missing:
+            raise RuntimeError(
+                f"autopatch allreduce: {len(missing)} parameter(s) received no gradient in this step "
+                f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). As with DDP, a model "
+                "with unused parameters needs DistributedDataParallel(..., find_unused_parameters=True).")
+
+    def _launch_used_bitmap(self):
+        used = torch.tensor(self._used, dtype=torch.int32, device=self.device)
+        return used, dist.all_reduce(used, group=self.group, async_op=True)
+
+    def _globally_used(self, launched):
+        """Per parameter: did any rank use it since the last synchronised step (None: all did)."""
+        if launched is None:
+            return None
+        counts, work = launched
+        self._wait(work, "the unused-parameter bitmap")
+        return [c > 0 for c in counts.tolist()]
+
+    def _drain(self):
+        """Wait for every bucket, phase by phase, in bucket order."""
+        pending, self._inflight = self._inflight, []
+        while pending:
+            later = []
+            for phases, work, b in pending:
+                self._wait(work, f"bucket {b} of {len(self.buckets)}")
+                work = next(phases, None)
+                if work is not None:
+                    later.append((phases, work, b))
+            pending = later
+
+    def _bind_grads(self, used):
+        for i, p in enumerate(self.params):
+            view = self.flat.views[i]
+            if p.grad is not view and (used is None or used[i]):
+                p.grad = view
+
+    def _wait(self, work, what):
+        start = time.perf_counter()
+        try:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(self.timeout)
+        except Exception as e:
+            waited = time.perf_counter() - start
+            raise CommunicationError(
+                f"autopatch allreduce: {what} failed on rank {dist.get_rank()} after {waited:.1f} s "
+                f"(step {self.steps + 1}): {e}. Another rank has most likely exited, stalled, or is "
+                "running different code; its own log says which.") from e
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+    # -- report and removal -----------------------------------------------------------------------
+    def describe(self):
+        s = self.settings
+        return {
+            "params": len(self.params),
+            "bucket_bytes": s["bucket_bytes"],
+            "buckets": len(self.buckets),
+            "compression": s["compression"],
+            "hierarchical": s["hierarchical"],
+            "find_unused_parameters": self.find_unused,
+            "synchronised_steps": self.steps,
+            "bytes_sent_per_step": self.bytes_per_step,
+            "wait_seconds": round(self.wait_seconds, 6),
+            "wait_seconds_per_step": round(self.wait_seconds / self.steps, 6) if self.steps else 0.0,
+            "layouts": self.layouts,
+        }
+
+    def remove(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _compression(name):
+    if name not in COMPRESSIONS:
+        raise ValueError(f"unknown compression {name!r}; expected one of {', '.join(COMPRESSIONS)}")
+    return name

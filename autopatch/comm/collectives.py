@@ -1,0 +1,92 @@
+"""How one bucket is averaged across ranks, as a sequence of asynchronous phases.
+
+A bucket's reduction is a generator: it launches collectives with ``async_op=True``, yields each
+work object, and goes on once the caller has waited for it. The caller advances all buckets phase
+by phase in bucket order, so every rank issues the same collectives in the same order on every
+group. Buckets arrive multiplied by 1/world, so every sum here is already an average.
+
+``bytes_sent`` estimates what this rank puts on the wire per bucket, with the usual ring
+algorithms: allreduce ``2(n-1)/n`` of the buffer, all-to-all and all-gather ``(n-1)/n`` of their
+output, reduce and broadcast ``(n-1)/n`` of the buffer.
+"""
+
+import torch
+import torch.distributed as dist
+
+from .compression import CAST_DTYPES, HEADER_BYTES, compresses, dequantize_rows, quantize_rows
+
+# all_gather_single is the current name; older torch only has all_gather_into_tensor.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _ring(n, nbytes, factor=1):
+    return factor * (n - 1) * nbytes // n
+
+
+class Averager:
+    """Averages buckets over ``group``, optionally compressed and optionally node by node."""
+
+    def __init__(self, group, compression="none", topology=None):
+        self.group = group
+        self.compression = compression
+        self.topology = topology
+
+    def phases(self, tensor):
+        topo = self.topology
+        if topo is None:
+            yield from self._between_nodes(tensor, self.group)
+            return
+        if topo.local_size > 1:
+            yield dist.reduce(tensor, dst=topo.leader, group=topo.local_group, async_op=True)
+        if topo.is_leader and topo.nodes > 1:
+            yield from self._between_nodes(tensor, topo.leaders_group)
+        if topo.local_size > 1:
+            yield dist.broadcast(tensor, src=topo.leader, group=topo.local_group, async_op=True)
+
+    def _between_nodes(self, tensor, group):
+        """Compression applies here: with hierarchical reduce, only to traffic between nodes."""
+        if not compresses(self.compression, tensor):
+            yield dist.all_reduce(tensor, group=group, async_op=True)
+        elif self.compression in CAST_DTYPES:
+            wire = tensor.to(CAST_DTYPES[self.compression])
+            yield dist.all_reduce(wire, group=group, async_op=True)
+            tensor.copy_(wire)
+        else:
+            yield from _minmax_uint8(tensor, group)
+
+    def bytes_sent(self, tensor):
+        nbytes = tensor.numel() * tensor.element_size()
+        topo = self.topology
+        if topo is None:
+            return self._bytes_between_nodes(tensor, dist.get_world_size(self.group))
+        sent = 0
+        if topo.local_size > 1:
+            sent += _ring(topo.local_size, nbytes, 2)          # reduce, then broadcast
+        if topo.is_leader and topo.nodes > 1:
+            sent += self._bytes_between_nodes(tensor, topo.nodes)
+        return sent
+
+    def _bytes_between_nodes(self, tensor, n):
+        if not compresses(self.compression, tensor):
+            return _ring(n, tensor.numel() * tensor.element_size(), 2)
+        if self.compression in CAST_DTYPES:
+            return _ring(n, tensor.numel() * CAST_DTYPES[self.compression].itemsize, 2)
+        row = -(-tensor.numel() // n) + HEADER_BYTES
+        return 2 * (n - 1) * row                               # all-to-all, then all-gather
+
+
+def _minmax_uint8(tensor, group):
+    """Bagua's ByteGrad scheme: scatter 8-bit chunks, average each at its owner, gather them back."""
+    n = dist.get_world_size(group)
+    numel = tensor.numel()
+    cols = -(-numel // n)
+    rows = tensor.new_empty(n * cols)
+    rows[:numel] = tensor
+    rows[numel:] = tensor[-1]        # padding that widens no chunk's range
+    send = quantize_rows(rows.view(n, cols))
+    recv = torch.empty_like(send)
+    yield dist.all_to_all_single(recv, send, group=group, async_op=True)
+    mine = quantize_rows(dequantize_rows(recv).sum(0, keepdim=True))
+    gathered = torch.empty_like(send)
+    yield all_gather_into(gathered, mine, group=group, async_op=True)
+    tensor.copy_(dequantize_rows(gathered).view(-1)[:numel])
