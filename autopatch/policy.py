@@ -58,6 +58,7 @@ class Allreduce:
     bucket_bytes: int = 25 * 2**20
     compression: str = "none"
     hierarchical: bool = False
+    timeout_seconds: object = None     # a collective waited on longer is an error; None: the group's
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,8 @@ _CHECKS = {
     "fusion.probe": _typed(bool), "fusion.force": _globs, "fusion.forbid": _globs,
     "allreduce.enabled": _auto_bool, "allreduce.bucket_bytes": _size,
     "allreduce.compression": _choice(COMPRESSIONS), "allreduce.hierarchical": _typed(bool),
+    "allreduce.bucket_size_2p": lambda v: 2 ** _typed(int, 10, 31)(v),
+    "allreduce.timeout_seconds": lambda v: None if v is None else _typed(float, 0.001)(v),
     "autotune.enabled": _typed(bool), "autotune.knobs": _knobs,
     "autotune.warmup_steps": _typed(int, 0), "autotune.warmup_seconds": _typed(float, 0.0),
     "autotune.trial_seconds": _typed(float, 0.0), "autotune.windows": _typed(int, 1, 100),
@@ -271,6 +274,9 @@ def _lines(text):
     return out
 
 
+_SPELLINGS = {"allreduce.bucket_size_2p": "allreduce.bucket_bytes"}   # Bagua's knob -> what it sets
+
+
 def _apply(values, updates, where, lines):
     """Validate dotted-key updates and merge them into the nested ``values`` dict."""
     for key, raw in updates.items():
@@ -283,7 +289,9 @@ def _apply(values, updates, where, lines):
             value = _CHECKS[key](raw)
         except (TypeError, ValueError) as e:
             raise PolicyError(f"{loc}: key '{key}': {e}") from None
-        section, name = key.split(".", 1)
+        if _SPELLINGS.get(key) in updates:
+            raise PolicyError(f"{loc}: key '{key}': give either {key} or {_SPELLINGS[key]}, not both")
+        section, name = _SPELLINGS.get(key, key).split(".", 1)
         values[section][name] = value
 
 

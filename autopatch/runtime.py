@@ -23,9 +23,10 @@ class Runtime:
         self._by_id = {}
         self.active = False
         self.started = time.perf_counter()
+        self.comm = None   # the DDP takeover (comm/), once DistributedDataParallel is imported
         # Report sections other rooms add (allreduce, autotune): name -> callable returning a dict.
         self.sections = {
-            "allreduce": lambda: {"active": False, "reason": "bucketed allreduce is not available in this version"},
+            "allreduce": self._describe_allreduce,
             "autotune": lambda: {"active": False, "reason": "autotune is not available in this version"
                                  if policy.autotune.enabled else "autotune.enabled is false"},
         }
@@ -38,6 +39,11 @@ class Runtime:
             self._patch_torch(sys.modules["torch.optim"])
         else:
             wrapt.register_post_import_hook(self._on_torch_optim, "torch.optim")
+        if self.policy.allreduce.enabled is not False:
+            if "torch.nn.parallel.distributed" in sys.modules:
+                self._take_over_ddp(sys.modules["torch.nn.parallel.distributed"])
+            else:
+                wrapt.register_post_import_hook(self._on_ddp_module, "torch.nn.parallel.distributed")
 
     def _on_torch_optim(self, module):
         if self.active:   # wrapt hooks cannot be unregistered: a disabled runtime ignores it
@@ -54,6 +60,28 @@ class Runtime:
             if issubclass(type(obj), optim.Optimizer) and hasattr(obj, "_optimizer_step_pre_hooks"):
                 self.adopt(obj)
 
+    def _on_ddp_module(self, module):
+        if self.active:
+            self._take_over_ddp(module)
+
+    def _take_over_ddp(self, module):
+        """DDP models built from now on (and live ones) get autopatch's bucketed allreduce."""
+        from .comm.takeover import DDPTakeover
+        if self.comm is not None:
+            return
+        ar = self.policy.allreduce
+        self.comm = DDPTakeover(bucket_bytes=ar.bucket_bytes, compression=ar.compression,
+                                hierarchical=ar.hierarchical, timeout_seconds=ar.timeout_seconds,
+                                warn=ar.enabled is True)
+        self.comm.install(module)
+
+    def _describe_allreduce(self):
+        if self.comm is not None:
+            return self.comm.describe()
+        if self.policy.allreduce.enabled is False:
+            return {"active": False, "reason": "allreduce.enabled is false"}
+        return {"active": False, "reason": "DistributedDataParallel was never imported"}
+
     def _after_init(self, wrapped, instance, args, kwargs):
         wrapped(*args, **kwargs)
         self.adopt(instance)
@@ -69,6 +97,8 @@ class Runtime:
     def uninstall(self):
         self.active = False
         self._detach()
+        if self.comm is not None:
+            self.comm.remove()
         for ctrl in self.controllers:
             ctrl.release()
         self.ledger.uninstall()
