@@ -1,6 +1,6 @@
 """autopatch: faster PyTorch training without editing the script.
 
-The whole public face: ``enable``, ``disable``, ``is_enabled``, ``report``.
+The whole public face: ``enable``, ``disable``, ``is_enabled``, ``report``, ``flush``.
 """
 
 import atexit
@@ -10,7 +10,7 @@ import warnings
 
 from . import env
 
-__all__ = ["enable", "disable", "is_enabled", "report", "PolicyError", "__version__"]
+__all__ = ["enable", "disable", "is_enabled", "report", "flush", "PolicyError", "__version__"]
 __version__ = "0.1.0"
 
 _lock = threading.RLock()
@@ -69,6 +69,14 @@ def __getattr__(name):
 
 def is_enabled():
     return _runtime is not None
+
+
+def flush():
+    """Apply every deferred update now, so weights can be read (mode forward defers updates to
+    the next forward; state_dict(), torch.save and the next step() already flush by themselves)."""
+    with _lock:
+        if _runtime is not None:
+            _runtime.flush()
 
 
 def report():

@@ -3,17 +3,27 @@
 Interception uses the optimizer's own per-instance step hooks. ``Optimizer.step`` is wrapped once
 per class by torch itself, and LR schedulers or wrappers such as accelerate's call through that
 wrapper, so these hooks see every step however it is reached (closures included).
+
+Every fusion mode is an object with the same small protocol (``before_step(closure)``,
+``after_step()``, ``flush()``, ``invalidate()``, ``deactivate()``, ``set_chunk_bytes(n)``,
+``describe()``); switching modes between steps deactivates one (applying anything pending) and
+activates another over the same per-parameter optimizer state, so a switch never changes results.
 """
 
 import fnmatch
 import time
 import weakref
 
+from .fusion.backward import BackwardFusion
+from .fusion.chunk_step import raw_step_of
 from .fusion.chunking import default_chunk_bytes
+from .fusion.forward import ForwardFusion
 from .fusion.multi_layer import MultiLayerStep
 from .fusion.probe import probe
+from .observe import Observation
 
-UNAVAILABLE = ("backward", "forward")
+FUSION_MODES = ("multi_layer", "backward", "forward")
+AUTO_PREFERENCE = ("backward", "forward", "multi_layer")
 
 
 def qualified_name(cls):
@@ -37,14 +47,19 @@ class OptimizerController:
         self.steps = 0
         self.step_seconds = 0.0
         self.params = self._count_params(opt)
-        self.fused = None
-        self.parked = None      # a MultiLayerStep kept while switched off, to resume losslessly
-        self.probe = None
+        self.strategy = None
+        self.strategies = {}         # mode -> fusion object, kept so switching back is cheap
+        self.owned_storages = set()  # flat buffers built for this optimizer, by any mode
+        self.chunk_bytes = None
+        self.bitwise = None
+        self.observation = None
+        self.candidates = ()
         self._t0 = None
         self._handles = [
             opt.register_step_pre_hook(self._pre_step),
             opt.register_step_post_hook(self._post_step),
-            opt.register_state_dict_pre_hook(self._before_state_dict),
+            opt.register_state_dict_pre_hook(self._flush_hook),
+            opt.register_load_state_dict_pre_hook(self._flush_hook),
             opt.register_load_state_dict_post_hook(self._after_load),
         ]
         fusion = policy.fusion
@@ -52,8 +67,6 @@ class OptimizerController:
             self._settle("off", "not selected by the policy's optimizers.include/exclude")
         elif fusion.mode == "off":
             self._settle("off", "policy sets fusion.mode: off")
-        elif fusion.mode in UNAVAILABLE:
-            self._settle("off", f"mode '{fusion.mode}' is not available in this version; running unfused")
         elif _matches(self.qualname, fusion.forbid):
             self._settle("off", "class matches fusion.forbid in the policy")
 
@@ -64,99 +77,156 @@ class OptimizerController:
     def _settle(self, mode, reason):
         self.mode, self.reason, self.decided = mode, reason, True
 
-    def _decide(self, opt):
-        """First step: choose multi_layer when every group passes the probe (or is forced)."""
+    # -- eligibility -------------------------------------------------------------------------
+    def check(self, opt, mode):
+        """None when ``mode`` cannot change this optimizer's results, else the reason it might."""
         fusion = self.policy.fusion
-        self.decided = True   # the probe steps a copy; never decide twice
+        if mode in ("backward", "forward") and raw_step_of(opt) is None:
+            return "its step() is not wrapped by torch's Optimizer hooks"
         if _matches(self.qualname, fusion.force) or not fusion.probe:
-            why = "fused without the probe (fusion.force / fusion.probe: false)"
-        else:
-            for group in opt.param_groups:
-                result = probe(opt, group)
-                self.probe = result
-                if not result.fusable:
-                    self._settle("off", f"left unfused: {result.reason}")
-                    return
-            why = self.probe.reason
-        chunk = fusion.chunk_bytes
-        self.fused = MultiLayerStep(opt, default_chunk_bytes(opt) if chunk == "auto" else chunk)
-        prefix = "auto chose multi_layer, the fastest mode available; " if fusion.mode == "auto" else ""
-        self._settle("multi_layer", prefix + why)
+            return None
+        for group in opt.param_groups:
+            result = probe(opt, group, split=mode != "multi_layer")
+            if not result.fusable:
+                return result.reason
+            self.bitwise = result.bitwise if self.bitwise is None else self.bitwise and result.bitwise
+        return None
 
-    def set_mode(self, mode):
-        """Switch between steps (the autotuner does this); lossless by construction.
+    def _probe_note(self):
+        if _matches(self.qualname, self.policy.fusion.force) or not self.policy.fusion.probe:
+            return "fused without the probe (fusion.force / fusion.probe: false)"
+        if self.bitwise:
+            return "the probe found fused updates bit-for-bit equal to per-tensor updates"
+        return "the probe found fused updates equal to per-tensor updates within float rounding"
 
-        Returns the mode in effect: a class the probe rejected stays ``off``.
+    def _strategy_for(self, opt, mode):
+        if mode not in self.strategies:
+            chunk = self.chunk_bytes or (default_chunk_bytes(opt) if self.policy.fusion.chunk_bytes == "auto"
+                                         else self.policy.fusion.chunk_bytes)
+            self.chunk_bytes = chunk
+            cls = {"multi_layer": MultiLayerStep, "backward": BackwardFusion, "forward": ForwardFusion}[mode]
+            self.strategies[mode] = cls(opt, chunk, owned_storages=self.owned_storages)
+        return self.strategies[mode]
+
+    def _activate(self, opt, mode, reason):
+        if self.strategy is not None:
+            self.strategy.deactivate()
+            self.runtime.forward_fusions.discard(self)
+        self.strategy = None if mode == "off" else self._strategy_for(opt, mode)
+        if mode == "forward":
+            self.runtime.enable_forward_fusion(self)
+        elif self.strategy is not None:
+            self.strategy.invalidate()    # per-parameter state may have moved while away
+        self._settle(mode, reason)
+
+    def _decide(self, opt):
+        """First step: multi_layer at once; backward, forward and auto after watching the run.
+
+        Backward and forward fusion are only right for some training loops, so even when the
+        policy names one of them it is taken only once the first steps show it is safe (else
+        multi_layer, with the reason); meanwhile the steps run as multi_layer.
         """
+        self.decided = True   # the probe steps copies of this optimizer; never decide twice
+        requested = self.policy.fusion.mode
+        why = self.check(opt, "multi_layer")
+        if why:
+            self._settle("off", f"left unfused: {why}")
+            return
+        if requested == "multi_layer":
+            self._activate(opt, "multi_layer", self._probe_note())
+            return
+        self.candidates = AUTO_PREFERENCE if requested == "auto" else (requested, "multi_layer")
+        n = self.policy.fusion.observe_steps
+        self.observation = Observation(opt, n)
+        self._activate(opt, "multi_layer", f"{requested}: multi_layer while watching the first {n} steps")
+
+    def _conclude(self, opt):
+        """After watching: the first candidate mode that cannot change results."""
+        obs, self.observation = self.observation, None
+        obs.close()
+        ruled_out = []
+        for mode in self.candidates:
+            blockers = obs.blockers(mode) if mode != "multi_layer" else []
+            why = "; ".join(blockers) or self.check(opt, mode)
+            if why is None:
+                how = "auto chose" if self.policy.fusion.mode == "auto" else "chose"
+                detail = f" ({'; '.join(ruled_out)})" if ruled_out else ""
+                self._activate(opt, mode, f"{how} {mode} after watching {obs.steps} steps"
+                                          f"{detail}; {self._probe_note()}")
+                return
+            ruled_out.append(f"not {mode}: {why}")
+
+    # -- run-time switches (autotune) --------------------------------------------------------
+    def set_mode(self, mode):
+        """Switch between steps; lossless by construction. Returns the mode in effect: a mode
+        the checks reject for this optimizer is refused and the current one kept."""
         opt = self.ref()
-        if opt is None:
+        if opt is None or mode == self.mode:
             return self.mode
         if not self.decided:
             self._decide(opt)
-        if mode == self.mode:
+        if mode != "off" and self.check(opt, mode) is not None:
             return self.mode
-        if mode == "off":
-            if self.fused is not None:
-                self.fused.restore()
-                self.parked = self.fused
-                self.fused = None
-            self._settle("off", "switched off at run time")
-        elif mode == "multi_layer" and (self.fused is not None or self.parked is not None):
-            self.fused, self.parked = self.fused or self.parked, None
-            self.fused.invalidate()   # per-parameter state moved on while unfused
-            self._settle("multi_layer", "switched to multi_layer at run time")
+        self._activate(opt, mode, f"switched to {mode} at run time")
         return self.mode
 
     def set_chunk_bytes(self, chunk_bytes):
-        """Change the chunk size; the flat buffers are re-planned before the next step."""
-        for step in (self.fused, self.parked):
-            if step is not None:
-                step.chunk_bytes = int(chunk_bytes)
-                step.invalidate()
+        """Change the chunk size; flat buffers are re-planned before the next update."""
+        self.chunk_bytes = int(chunk_bytes)
+        for strategy in self.strategies.values():
+            strategy.set_chunk_bytes(chunk_bytes)
 
+    def flush(self):
+        if self.strategy is not None:
+            self.strategy.flush()
+
+    # -- hooks -------------------------------------------------------------------------------
     def _pre_step(self, opt, args, kwargs):
         self._t0 = time.perf_counter()
         self.steps += 1
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if self.observation is not None:
+            self.observation.on_step(closure)
         if not self.decided:
             self._decide(opt)
-        if self.fused is None:
+        if self.strategy is None:
             return None
-        closure = args[1] if len(args) > 1 else kwargs.get("closure")
-        if closure is None:
-            self.fused.swap_in()
+        replacement = self.strategy.before_step(closure)
+        if replacement is None:
             return None
-        fused = self.fused
-
-        def closure_then_fuse():
-            # The closure computes the grads; fuse once they exist, before the update runs.
-            loss = closure()
-            fused.swap_in()
-            return loss
         if len(args) > 1:
-            return (args[0], closure_then_fuse, *args[2:]), kwargs
-        return args, dict(kwargs, closure=closure_then_fuse)
+            return (args[0], replacement, *args[2:]), kwargs
+        return args, dict(kwargs, closure=replacement)
 
     def _post_step(self, opt, args, kwargs):
-        if self.fused is not None:
-            self.fused.restore()
+        if self.strategy is not None:
+            self.strategy.after_step()
+        if self.observation is not None:
+            if self.observation.done:
+                self._conclude(opt)
+            else:
+                self.observation.on_step_end()
         if self._t0 is not None:
             self.step_seconds += time.perf_counter() - self._t0
             self._t0 = None
         for listener in self.runtime.step_listeners:
             listener(self)
 
-    def _before_state_dict(self, opt):
-        if self.fused is not None:
-            self.fused.restore()   # a step that raised may have left chunks swapped in
+    def _flush_hook(self, opt, *args):
+        self.flush()    # before state_dict()/load_state_dict(): nothing pending, nothing swapped
 
     def _after_load(self, opt):
-        if self.fused is not None:
-            self.fused.invalidate()
+        if self.strategy is not None:
+            self.strategy.invalidate()
 
     def release(self):
-        """Remove every hook; the optimizer goes on exactly as an unpatched one."""
-        if self.fused is not None:
-            self.fused.restore()
+        """Apply anything pending and remove every hook; the optimizer goes on as unpatched."""
+        if self.observation is not None:
+            self.observation.close()
+            self.observation = None
+        if self.strategy is not None:
+            self.strategy.deactivate()
+        self.runtime.forward_fusions.discard(self)
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -168,8 +238,8 @@ class OptimizerController:
         out = {"class": self.qualname, "mode": self.mode, "reason": self.reason,
                "params": self.params, "steps": self.steps,
                "step_seconds": round(self.step_seconds, 6)}
-        if self.probe is not None:
-            out["bitwise"] = self.probe.bitwise
-        if self.fused is not None:
-            out["fusion"] = self.fused.describe()
+        if self.bitwise is not None:
+            out["bitwise"] = self.bitwise
+        if self.strategy is not None:
+            out["fusion"] = self.strategy.describe()
         return out

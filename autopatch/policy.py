@@ -50,6 +50,7 @@ class Fusion:
     probe: bool = True
     force: tuple = ()                  # class globs fused without the probe
     forbid: tuple = ()                 # class globs never fused
+    observe_steps: int = 3             # mode auto: steps watched before choosing
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,7 @@ _CHECKS = {
     "optimizers.include": _globs, "optimizers.exclude": _globs,
     "fusion.mode": _mode, "fusion.chunk_bytes": _chunk, "fusion.compile": _typed(bool),
     "fusion.probe": _typed(bool), "fusion.force": _globs, "fusion.forbid": _globs,
+    "fusion.observe_steps": _typed(int, 1, 1000),
     "allreduce.enabled": _auto_bool, "allreduce.bucket_bytes": _size,
     "allreduce.compression": _choice(COMPRESSIONS), "allreduce.hierarchical": _typed(bool),
     "allreduce.bucket_size_2p": lambda v: 2 ** _typed(int, 10, 31)(v),

@@ -20,6 +20,8 @@ class Runtime:
         self.ledger = Ledger()
         self.controllers = []
         self.step_listeners = []   # called with the controller after every optimizer step
+        self.forward_fusions = set()   # controllers in mode forward, with updates to apply
+        self._forward_hooks = False
         self._by_id = {}
         self.active = False
         self.started = time.perf_counter()
@@ -93,6 +95,33 @@ class Runtime:
         ctrl = OptimizerController(self, opt)
         self._by_id[id(opt)] = ctrl
         self.controllers.append(ctrl)
+
+    def enable_forward_fusion(self, ctrl):
+        """Mode forward needs to see every module's forward and every way weights are observed."""
+        self.forward_fusions.add(ctrl)
+        if self._forward_hooks:
+            return
+        import torch
+        self.ledger.hold(torch.nn.modules.module.register_module_forward_pre_hook(self._before_module))
+        for owner, name in ((torch.nn.Module, "state_dict"), (torch.nn.Module, "load_state_dict"),
+                            (torch, "save"), (torch.serialization, "save")):
+            self.ledger.wrap(owner, name, self._flush_first)
+        self._forward_hooks = True
+
+    def _before_module(self, module, args):
+        for ctrl in self.forward_fusions:
+            if ctrl.strategy.has_pending:
+                ctrl.strategy.apply_for(module)
+
+    def _flush_first(self, wrapped, instance, args, kwargs):
+        if self.forward_fusions:
+            self.flush()
+        return wrapped(*args, **kwargs)
+
+    def flush(self):
+        """Apply every deferred update now (mode forward); harmless in other modes."""
+        for ctrl in self.controllers:
+            ctrl.flush()
 
     def uninstall(self):
         self.active = False

@@ -29,9 +29,15 @@ class _GroupPlan:
 class MultiLayerStep:
     """Swaps flat chunks into an optimizer around each step. Not thread-safe per optimizer."""
 
-    def __init__(self, optimizer, chunk_bytes):
+    mode = "multi_layer"
+
+    def __init__(self, optimizer, chunk_bytes, align=False, grad_buffer=True, owned_storages=None):
         self.opt = optimizer
         self.chunk_bytes = int(chunk_bytes)
+        self.run_options = dict(align=align, grad_buffer=grad_buffer)
+        # Storages of flat buffers built for this optimizer (by any mode): params living there
+        # may be re-flattened, while params sharing a foreign buffer are left alone.
+        self.owned = set() if owned_storages is None else owned_storages
         self.plans = None
         self.swapped = []
         self.dirty = True
@@ -44,7 +50,7 @@ class MultiLayerStep:
         self.last_fallback = None
 
     # -- planning ---------------------------------------------------------------------------
-    def _needs_plan(self):
+    def needs_plan(self):
         if self.plans is None or self.dirty or len(self.plans) != len(self.opt.param_groups):
             return True
         for plan, group in zip(self.plans, self.opt.param_groups):
@@ -54,15 +60,9 @@ class MultiLayerStep:
                 return True
         return False
 
-    def _own_storages(self):
-        if self.plans is None:
-            return set()
-        return {run.flat.untyped_storage().data_ptr() for plan in self.plans for run in plan.runs}
-
     def plan(self):
         """(Re)build flat runs for every group from the current params and state."""
         self.restore()
-        own_before = self._own_storages()
         storage_users = {}
         for g in self.opt.param_groups:
             for p in g["params"]:
@@ -75,7 +75,7 @@ class MultiLayerStep:
             plan = _GroupPlan(group)
             buckets = {}
             for p in group["params"]:
-                why = self._eligible_with(p, storage_users, own_before)
+                why = self._eligible_with(p, storage_users)
                 sig = None if why else state_signature(p, self.opt.state.get(p, {}))
                 if why is None and sig is None:
                     why = "optimizer state is not elementwise"
@@ -87,13 +87,14 @@ class MultiLayerStep:
             for (dtype, _, sig), params in buckets.items():
                 elems = chunk_cache.setdefault(dtype, max(1, self.chunk_bytes // torch.empty(0, dtype=dtype).element_size()))
                 states = [self.opt.state[p] for p in params] if sig else None
-                plan.runs.append(FlatRun(params, states, elems))
+                plan.runs.append(FlatRun(params, states, elems, **self.run_options))
             plans.append(plan)
         self.plans = plans
+        self.owned.update(run.flat.untyped_storage().data_ptr() for plan in plans for run in plan.runs)
         self.dirty = False
         self.replans += 1
 
-    def _eligible_with(self, p, storage_users, own):
+    def _eligible_with(self, p, storage_users):
         if not p.requires_grad:
             return "frozen (requires_grad=False)"
         if p.is_sparse or not p.dtype.is_floating_point:
@@ -102,7 +103,7 @@ class MultiLayerStep:
             return f"tensor subclass {type(p).__name__}"
         st = p.untyped_storage()
         ptr = st.data_ptr()
-        if ptr in own:
+        if ptr in self.owned:
             return None
         if storage_users[ptr] > 1:
             return "shares storage with another parameter"
@@ -115,7 +116,7 @@ class MultiLayerStep:
         """Gather grads into the flat buffers and put chunks in place of fused params."""
         if self.swapped:
             return
-        if self._needs_plan():
+        if self.needs_plan():
             self.plan()
         copies_dst, copies_src = [], []
         for plan, group in zip(self.plans, self.opt.param_groups):
@@ -180,7 +181,37 @@ class MultiLayerStep:
         self.restore()
         self.dirty = True
 
-    def describe(self):
+    # -- the protocol every fusion mode follows (see controller.py) ----------------------------
+    def before_step(self, closure):
+        """Swap chunks in; with a closure, only once the closure has computed the grads.
+
+        Returns the closure the optimizer should call instead, or None.
+        """
+        if closure is None:
+            self.swap_in()
+            return None
+
+        def closure_then_fuse():
+            loss = closure()
+            self.swap_in()
+            return loss
+        return closure_then_fuse
+
+    def after_step(self):
+        self.restore()
+
+    def flush(self):
+        self.restore()
+
+    def deactivate(self):
+        self.restore()
+
+    def set_chunk_bytes(self, chunk_bytes):
+        self.chunk_bytes = int(chunk_bytes)
+        self.invalidate()
+
+    def layout(self):
+        """The flat runs as planned: what a report shows for any mode built on them."""
         runs = [run for plan in (self.plans or []) for run in plan.runs]
         return {
             "runs": len(runs),
@@ -188,9 +219,10 @@ class MultiLayerStep:
             "fused_params": sum(len(r.params) for r in runs),
             "flat_bytes": sum(r.numel * r.flat.element_size() for r in runs),
             "chunk_bytes": self.chunk_bytes,
-            "fused_steps": self.fused_steps,
-            "fallback_group_steps": self.fallback_steps,
-            "last_fallback": self.last_fallback,
             "replans": self.replans,
             "excluded_params": dict(self.excluded),
         }
+
+    def describe(self):
+        return dict(self.layout(), fused_steps=self.fused_steps,
+                    fallback_group_steps=self.fallback_steps, last_fallback=self.last_fallback)

@@ -11,6 +11,7 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
+from .chunk_step import raw_step_of, step_chunks
 from .multi_layer import MultiLayerStep, NotFusable
 
 SHAPES = [(7, 5), (13,), (3, 4, 5), (1,), (33, 2), (4, 4)]
@@ -46,32 +47,55 @@ def _clone(opt, group, params):
     clone = type(opt).__new__(type(opt))
     clone.__dict__.update(copy.deepcopy(attrs, memo))
     hp = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
-    clone.param_groups = [dict(hp, params=params)]
+    half = len(params) // 2   # two groups: a split step must leave the other group alone
+    clone.param_groups = [dict(hp, params=params[:half]), dict(copy.deepcopy(hp), params=params[half:])]
     clone.state = defaultdict(dict)
     return clone
 
 
-def _run(opt, params, grads, fused):
-    step = MultiLayerStep(opt, chunk_bytes=48 * params[0].element_size()) if fused else None
+def _run(opt, params, grads, how):
+    """Step ``opt`` over ``params`` for each set of grads: per tensor ("plain"), over flat chunks
+    in one step() ("fused"), or one chunk per call of the unwrapped step ("split")."""
+    chunk_bytes = 48 * params[0].element_size()
+    planner = None if how == "plain" else MultiLayerStep(opt, chunk_bytes, align=how == "split")
+    raw = raw_step_of(opt)
+    if how == "split" and raw is None:
+        raise NotFusable("its step() is not wrapped by torch's Optimizer hooks")
     for gs in grads:
         for p, g in zip(params, gs):
             p.grad = g.clone()
-        if step:
-            step.swap_in()
-        try:
+        if how == "plain":
             opt.step()
-        finally:
-            if step:
-                step.restore()
-    return step
+        elif how == "fused":
+            planner.swap_in()
+            try:
+                opt.step()
+            finally:
+                planner.restore()
+        else:
+            if planner.needs_plan():
+                planner.plan()
+            for plan in planner.plans:
+                for run in plan.runs:
+                    for p, gv in zip(run.params, run.grad_views):
+                        gv.copy_(p.grad)
+            for gi, plan in enumerate(planner.plans):
+                for run in plan.runs:
+                    for ci, chunk in enumerate(run.chunks):
+                        step_chunks(opt, raw, [(gi, chunk, run.chunk_states[ci])])
+                        run.sync(opt.state.__getitem__, [ci])
 
 
-def probe(opt, group):
-    """Compare fused and per-tensor steps for one param group of ``opt``."""
+def probe(opt, group, split=False):
+    """Compare fused and per-tensor steps for one param group of ``opt``.
+
+    ``split``: the fused side calls the optimizer once per chunk (backward and forward fusion),
+    which also catches optimizers that keep per-call counters or global state.
+    """
     p0 = next((p for p in group["params"] if p.dtype.is_floating_point), None)
     if p0 is None:
         return ProbeResult(False, False, "no floating-point parameters")
-    key = (type(opt), _hparams_key(group), p0.dtype, p0.device.type)
+    key = (type(opt), _hparams_key(group), p0.dtype, p0.device.type, split)
     if key in _cache:
         return _cache[key]
     gen = torch.Generator().manual_seed(1234)
@@ -84,8 +108,8 @@ def probe(opt, group):
     try:
         ref_opt = _clone(opt, group, ref)
         fus_opt = _clone(opt, group, fus)
-        _run(ref_opt, ref, grads, fused=False)
-        _run(fus_opt, fus, grads, fused=True)
+        _run(ref_opt, ref, grads, "plain")
+        _run(fus_opt, fus, grads, "split" if split else "fused")
         ref_state = ref_opt.state_dict()["state"]
         fus_state = fus_opt.state_dict()["state"]
     except NotFusable as e:
@@ -118,7 +142,7 @@ def _compare(ref, fus, ref_state, fus_state):
                 return ProbeResult(False, False, f"state '{k}' differs when fused")
     bitwise = all(torch.equal(a, b) for a, b in pairs)
     if bitwise:
-        return ProbeResult(True, True, "fused steps are bit-for-bit equal to per-tensor steps")
+        return ProbeResult(True, True, "the probe found fused steps bit-for-bit equal to per-tensor steps")
     for a, b in pairs:
         a, b = a.double(), b.double()
         if not torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True):

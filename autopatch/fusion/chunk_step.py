@@ -1,0 +1,47 @@
+"""Step the user's optimizer over a chosen subset of chunks, outside the user's own step() call.
+
+Backward and forward fusion update a few chunks at a time. They call the class's step function
+without torch's per-class hook wrapper, so neither autopatch's step hooks nor the user's fire once
+per chunk; every other param group is emptied for the call, so nothing else moves.
+"""
+
+
+def raw_step_of(opt):
+    """The class's step function under torch's hook wrapper, or None when it is not wrapped."""
+    step = type(opt).step
+    if getattr(step, "hooked", False):
+        return getattr(step, "__wrapped__", None)
+    return None
+
+
+def step_chunks(opt, raw_step, items, hparams=None):
+    """Run ``raw_step`` over ``items`` = [(group_index, chunk, chunk_state)].
+
+    ``hparams`` (group index -> dict) replaces group hyperparameters for the call: a deferred
+    update must use the learning rate of the step() that recorded it, not a scheduler's newer one.
+    """
+    groups = opt.param_groups
+    saved_params = [g["params"] for g in groups]
+    saved_hp = {}
+    try:
+        for g in groups:
+            g["params"] = []
+        for gi, chunk, cs in items:
+            groups[gi]["params"].append(chunk)
+            opt.state[chunk] = cs
+        for gi, hp in (hparams or {}).items():
+            saved_hp[gi] = {k: groups[gi][k] for k in hp}
+            groups[gi].update(hp)
+        raw_step(opt)
+    finally:
+        for g, params in zip(groups, saved_params):
+            g["params"] = params
+        for gi, hp in saved_hp.items():
+            groups[gi].update(hp)
+        for _, chunk, _ in items:
+            opt.state.pop(chunk, None)
+
+
+def hyperparameters(group):
+    """A snapshot of a param group's settings (everything but its params)."""
+    return {k: v for k, v in group.items() if k != "params"}

@@ -1,0 +1,122 @@
+"""Mode forward: step() records the update; each module applies it just before it next runs.
+
+At ``step()`` the grads are copied into flat buffers and the update of every fused chunk is left
+pending, with a snapshot of the group's hyperparameters (a scheduler stepping in between must not
+change it). A global module forward pre-hook applies the pending chunks holding a module's own
+parameters right before that module's forward, while its weights are about to be read anyway.
+Whatever is still pending is applied before anything could observe stale weights: the next
+``step()``, ``state_dict()`` of the optimizer or of any module, ``torch.save``, ``flush()`` and
+``disable()``.
+
+Parameters read outside their own module's forward before it runs (a weight shared by a functional
+call, an EMA update right after ``step()``) would be stale: mode ``auto`` checks for that first.
+"""
+
+import torch
+
+from .chunk_step import hyperparameters, raw_step_of, step_chunks
+from .multi_layer import MultiLayerStep
+
+
+class ForwardFusion:
+    mode = "forward"
+
+    def __init__(self, optimizer, chunk_bytes, owned_storages=None):
+        self.opt = optimizer
+        self.raw_step = raw_step_of(optimizer)
+        self.planner = MultiLayerStep(optimizer, chunk_bytes, align=True, grad_buffer=True,
+                                      owned_storages=owned_storages)
+        self.pending = {}      # (id(run), ci) -> (group index, run, ci)
+        self.by_param = {}     # id(param) -> (id(run), ci) while its chunk is pending
+        self.hparams = {}      # group index -> hyperparameters of the step that recorded
+        self.swapped = []
+        self.deferred = 0
+        self.applied_in_forward = 0
+        self.fallback_steps = 0
+
+    # -- the fusion-mode protocol --------------------------------------------------------------
+    def before_step(self, closure):
+        if closure is not None:
+            raise RuntimeError("autopatch mode 'forward' cannot run a closure-based step(); "
+                               "use mode 'multi_layer' or 'auto'")
+        self.flush()
+        if self.planner.needs_plan():
+            self.planner.plan()
+        dst, src = [], []
+        for gi, (plan, group) in enumerate(zip(self.planner.plans, self.opt.param_groups)):
+            if not plan.runs:
+                continue
+            pairs = [(gv, p.grad) for run in plan.runs for p, gv in zip(run.params, run.grad_views)]
+            if any(g is None or g.is_sparse for _, g in pairs):
+                self.planner.dirty = True     # step this group now, per tensor, as unpatched
+                self.fallback_steps += 1
+                continue
+            dst += [gv for gv, _ in pairs]
+            src += [g for _, g in pairs]
+            self.hparams[gi] = hyperparameters(group)
+            for run in plan.runs:
+                for ci, (i0, i1) in enumerate(run.chunk_spans):
+                    key = (id(run), ci)
+                    self.pending[key] = (gi, run, ci)
+                    for p in run.params[i0:i1]:
+                        self.by_param[id(p)] = key
+            self.swapped.append((group, group["params"]))
+            group["params"] = plan.rest
+        if dst:
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
+            self.deferred += 1
+        return None
+
+    def after_step(self):
+        for group, params in self.swapped:
+            group["params"] = params
+        self.swapped = []
+
+    def apply_for(self, module):
+        """Module forward pre-hook: apply the pending chunks holding this module's parameters."""
+        keys = {self.by_param.get(id(p)) for p in module._parameters.values() if p is not None}
+        keys.discard(None)
+        if keys:
+            self._apply(keys)
+            self.applied_in_forward += len(keys)
+
+    def flush(self):
+        """Apply every pending update now."""
+        if self.pending:
+            self._apply(list(self.pending))
+
+    def _apply(self, keys):
+        items = [self.pending.pop(k) for k in keys]
+        hp = {gi: self.hparams[gi] for gi, _, _ in items}
+        step_chunks(self.opt, self.raw_step, [(gi, run.chunks[ci], run.chunk_states[ci])
+                                              for gi, run, ci in items], hp)
+        for gi, run, ci in items:
+            i0, i1 = run.chunk_spans[ci]
+            for p in run.params[i0:i1]:
+                self.by_param.pop(id(p), None)
+            why = run.sync(self.opt.state.__getitem__, [ci])
+            if why:
+                raise RuntimeError(f"autopatch: {type(self.opt).__qualname__}: {why}")
+
+    @property
+    def has_pending(self):
+        return bool(self.pending)
+
+    def deactivate(self):
+        self.after_step()
+        self.flush()
+        self.planner.invalidate()
+
+    def invalidate(self):
+        self.flush()
+        self.planner.dirty = True
+
+    def set_chunk_bytes(self, chunk_bytes):
+        self.planner.chunk_bytes = int(chunk_bytes)
+        self.invalidate()
+
+    def describe(self):
+        return dict(self.planner.layout(), deferred_steps=self.deferred,
+                    chunks_applied_in_forward=self.applied_in_forward,
+                    fallback_group_steps=self.fallback_steps)
