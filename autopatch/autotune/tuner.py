@@ -25,7 +25,7 @@ class BayesTuner:
                 warnings.simplefilter("ignore", UserWarning)
                 self._bo = BayesianOptimization(
                     f=None, pbounds=space.pbounds(), random_state=seed, verbose=0,
-                    acquisition_function=acquisition.ExpectedImprovement(xi=XI, random_state=seed),
+                    acquisition_function=acquisition.ExpectedImprovement(xi=XI),
                     allow_duplicate_points=True)
 
     def suggest(self):

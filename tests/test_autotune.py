@@ -1,0 +1,178 @@
+"""Autotune: a short search on CPU explores trials, freezes the best and never changes training."""
+
+import csv
+import json
+import re
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, clean_env, run_python, write_script
+from training import assert_same, batches, mlp, train, weights
+
+pytest.importorskip("bayes_opt")
+
+# Short trials on a small model: about 20 steps each, a few seconds for the whole search.
+FAST = {"warmup_steps": 3, "trial_seconds": 0.02, "windows": 3, "max_samples": 6,
+        "bounds": {"chunk_size_2p": [8, 14]}}
+FAST_YAML = """
+version: 1
+autotune:
+  enabled: true
+  knobs: [mode, chunk_size_2p]
+  warmup_steps: 3
+  trial_seconds: 0.02
+  windows: 3
+  max_samples: 6
+  bounds: {chunk_size_2p: [8, 14]}
+"""
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two threads on two shared cores make step times erratic; the search needs steady ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def job(steps=400):
+    torch.manual_seed(0)
+    model = mlp(width=32, depth=8)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = train(model, opt, batches(steps, width=32, batch=16))
+    return model, losses
+
+
+def test_search_explores_freezes_best_and_trains_like_unpatched(ap, tmp_path):
+    ref_model, ref_losses = job()
+    ap.enable("autotune", autotune={**FAST, "log_csv": str(tmp_path / "trials.csv"),
+                                    "save_best": str(tmp_path / "best.json")})
+    model, losses = job()
+    rep = ap.report()
+    tune = rep["autotune"]
+    assert tune["phase"] == "frozen", tune
+    assert len(tune["trials"]) >= 5
+    assert tune["best"]["score"] == max(t["score"] for t in tune["trials"])
+    assert tune["applied"][-1][1] == tune["best"]["config"]
+    assert rep["optimizers"][0]["mode"] == tune["best"]["config"]["mode"]
+    assert tune["cost"]["search_seconds"] > 0
+    assert_same(losses, ref_losses)
+    assert_same(weights(model), weights(ref_model))
+
+    rows = list(csv.reader((tmp_path / "trials.csv").open()))
+    assert rows[0] == ["mode", "chunk_size_2p", "score", "train_iter"]
+    assert [(r[0], float(r[2]), int(r[3])) for r in rows[1:]] == \
+        [(t["config"]["mode"], t["score"], t["train_iter"]) for t in tune["trials"]]
+    saved = json.loads((tmp_path / "best.json").read_text())
+    assert saved["config"] == tune["best"]["config"] and saved["score"] == tune["best"]["score"]
+
+
+def test_resume_applies_the_saved_best_without_searching(ap, tmp_path):
+    best = tmp_path / "best.json"
+    ap.enable("autotune", autotune={**FAST, "resume": str(best)})   # not there yet: search, save there
+    job(300)
+    first = ap.report()["autotune"]
+    assert first["trials"] and first["best_json"] == str(best)
+    ap.disable()
+
+    ref_model, _ = job(300)
+    ap.enable("autotune", autotune={**FAST, "resume": str(best)})
+    model, _ = job(300)
+    again = ap.report()["autotune"]
+    assert again["phase"] == "frozen" and "trials" not in again
+    assert again["resumed_from"] == str(best)
+    assert again["applied"] == [[FAST["warmup_steps"], first["best"]["config"]]]
+    assert_same(weights(model), weights(ref_model))
+
+
+def test_bounds_errors_name_the_file_line_and_key(tmp_path):
+    from autopatch import PolicyError, policy
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nautotune:\n  enabled: true\n  bounds:\n    chunk_size_2p: [20, 10]\n")
+    with pytest.raises(PolicyError, match=r"bad\.yaml:4: key 'autotune\.bounds': chunk_size_2p: lo 20 is above hi 10"):
+        policy.load(str(bad))
+    ok = policy.load("autotune", overrides={"autotune.bounds": {"mode": [False, "multi_layer"]}})
+    assert ok.autotune.bounds_of("mode") == ("off", "multi_layer")
+
+
+JOB = """
+import torch
+from training import batches, mlp, train
+torch.set_num_threads(1)
+model = mlp(width=32, depth=8)
+train(model, torch.optim.Adam(model.parameters(), lr=1e-2), batches(400, width=32, batch=16))
+"""
+
+
+def test_bagua_flags_give_the_csv_the_policy_keys_give(ap, tmp_path):
+    policy_file = tmp_path / "fast.yaml"
+    policy_file.write_text(FAST_YAML)
+    script = write_script(tmp_path / "job.py", JOB)
+    out = run_python(["-m", "autopatch", "run", "--policy", policy_file, "--autotune_level", "1",
+                      "--autotune_max_samples", "5", "--autotune_sampling_confidence_time", "0.02",
+                      "--autotune_warmup_time", "0", "--is_output_autotune_log", script])
+    assert out.returncode == 0, out.stderr
+    path = Path(re.search(r"autopatch: autotune log: (\S+)", out.stderr).group(1))
+    try:
+        assert path.name.startswith("autopatch_autotune_") and path.suffix == ".log"
+        flag_rows = list(csv.reader(path.open()))
+    finally:
+        path.unlink()
+
+    ap.enable(str(policy_file), autotune={"max_samples": 5, "trial_seconds": 0.02, "warmup_seconds": 0.0,
+                                          "log_csv": str(tmp_path / "keys.csv")})
+    job()
+    key_rows = list(csv.reader((tmp_path / "keys.csv").open()))
+    assert flag_rows[0] == key_rows[0] == ["mode", "chunk_size_2p", "score", "train_iter"]
+    assert len(flag_rows) == len(key_rows) == 6
+
+
+DDP_JOB = """
+import json, sys
+import torch, torch.distributed as dist
+import autopatch
+from training import batches, digest, mlp
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+autopatch.enable("autotune", autotune=json.loads(sys.argv[2]))
+model = torch.nn.parallel.DistributedDataParallel(mlp(width=32, depth=8))
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+for x, y in batches(400, width=32, batch=16, seed=1 + rank):
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+rep = autopatch.report()["autotune"]
+json.dump({"applied": rep["applied"], "trials": len(rep.get("trials", [])), "phase": rep["phase"],
+           "digest": digest(model.module)}, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_distributed_ranks_apply_identical_configs_at_identical_steps(tmp_path):
+    import subprocess
+    import sys
+    script = write_script(tmp_path / "ddp_job.py", DDP_JOB)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path), json.dumps(FAST)],
+                              env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=r, WORLD_SIZE=2),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["phase"] == r1["phase"] == "frozen"
+    assert r0["trials"] >= 5 and r1["trials"] == 0      # rank 0 decides, rank 1 follows
+    assert r0["applied"] == r1["applied"] and len(r0["applied"]) == r0["trials"] + 1
+    assert r0["digest"] == r1["digest"]
