@@ -1,0 +1,40 @@
+"""Explicit switches for training frameworks: autopatch on for one fit, off again after it.
+
+``autopatch.integrations.lightning`` and ``autopatch.integrations.huggingface`` import their
+framework; this package and ``autopatch`` itself never do.
+"""
+
+import warnings
+
+import autopatch
+
+
+class FitSession:
+    """``enable()`` when a fit starts and ``disable()`` when it ends, for the callbacks.
+
+    The policy is checked when the callback is built, so a bad one fails before training. If
+    autopatch is already on (``FUSEDOPT_ENABLE=1``, an outer ``enable()``) it stays on, under its
+    own policy, after the fit too.
+    """
+
+    def __init__(self, policy, overrides):
+        from autopatch import policy as _policy
+        _policy.load(policy, overrides=_policy.enable_overrides(overrides))   # raises PolicyError
+        self.policy, self.overrides = policy, overrides
+        self.owns = False
+
+    def start(self):
+        if self.owns:
+            return   # still on from a fit that ended without telling us (it raised)
+        if autopatch.is_enabled():
+            if self.policy is not None or self.overrides:
+                warnings.warn("autopatch is already enabled for this process; the callback keeps that "
+                              "session and does not apply its own policy", RuntimeWarning, stacklevel=3)
+            return
+        autopatch.enable(self.policy, **self.overrides)
+        self.owns = True
+
+    def stop(self):
+        if self.owns:
+            self.owns = False
+            autopatch.disable()
