@@ -1,6 +1,5 @@
 """Fixtures: an autopatch that is off again after each test, and real subprocesses of this Python."""
 
-import gc
 import os
 import subprocess
 import sys
@@ -47,7 +46,6 @@ def ap(monkeypatch):
         if k.startswith("FUSEDOPT_"):
             monkeypatch.delenv(k)
     autopatch.disable()
-    gc.collect()
     yield autopatch
     autopatch.disable()
 
