@@ -3,10 +3,15 @@
 As in Horovod's autotuner the acquisition is expected improvement. A proposal that rounds to a
 config already measured (integer and categorical knobs make that common) is replaced by a random
 unmeasured one, so every trial teaches something; the tuner is done when none is left.
+The Gaussian process runs on one BLAS thread: idle BLAS threads spin for a while after use and
+would slow the training they share the cores with, skewing the very trial being measured.
 """
 
 import random
 import warnings
+
+from bayes_opt import BayesianOptimization, acquisition
+from threadpoolctl import threadpool_limits   # scikit-learn's, which bayes_opt needs
 
 RANDOM_FIRST = 2     # random trials after the starting config, before the Gaussian process leads
 XI = 0.01            # expected-improvement margin: small, throughput differences are small
@@ -20,7 +25,6 @@ class BayesTuner:
         self._bo = None
         self._registered = 0
         if space.searched:
-            from bayes_opt import BayesianOptimization, acquisition
             with warnings.catch_warnings():   # integer and categorical bounds are "experimental"
                 warnings.simplefilter("ignore", UserWarning)
                 self._bo = BayesianOptimization(
@@ -35,7 +39,8 @@ class BayesTuner:
             return None
         if self._bo is None or self._registered < 1 + RANDOM_FIRST:
             return self._rng.choice(unseen)
-        config = self.space.decode(self._bo.suggest())
+        with threadpool_limits(limits=1):
+            config = self.space.decode(self._bo.suggest())
         if self.space.key(config) in self.scores:
             return self._rng.choice(unseen)
         return config
