@@ -126,9 +126,9 @@ def assert_intercepted_and_equal(patched, plain, steps=STEPS):
     assert_same(patched["weights"], plain["weights"])
     assert_state_equal(patched["state"], plain["state"])
     e = entry(patched["report"], patched["class"])
-    assert e["steps"] == steps
-    assert e["mode"] in MODES
-    assert e["reason"] and e["reason"] != "not stepped yet"
+    assert e["steps"] == steps, e
+    assert e["mode"] in MODES, e
+    assert e["reason"] and e["reason"] != "not stepped yet", e
     return e
 
 
