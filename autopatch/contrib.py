@@ -23,7 +23,7 @@ from .fusion.flat import FlatRun, state_signature
 from .fusion.multi_layer import MultiLayerStep, _GroupPlan
 from .fusion.probe import probe
 
-__all__ = ["fuse_optimizer", "is_fused_optimizer"]
+__all__ = ["fuse_optimizer", "fuse_step", "is_fused_optimizer"]
 
 LEFT_TO_FUSE_STEP = "fused by its own fuse_step() (autopatch.contrib.fuse_optimizer); the runtime leaves it alone"
 
@@ -46,6 +46,13 @@ def fuse_optimizer(optimizer, do_flatten=True, check_flatten=True):
         fused = _FusedOptimizer(optimizer, do_flatten, check_flatten)
         optimizer.fuse_step = fused.fuse_step
     return optimizer
+
+
+def fuse_step(optimizer, closure=None):
+    """Bagua's function form of ``optimizer.fuse_step(closure)``."""
+    if not is_fused_optimizer(optimizer):
+        raise TypeError(f"{type(optimizer).__qualname__} is not fused: call fuse_optimizer(optimizer) first")
+    return optimizer.fuse_step(closure)
 
 
 def is_fused_optimizer(optimizer):

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_
 from torch.optim import Optimizer
 
-from autopatch.contrib import LEFT_TO_FUSE_STEP, fuse_optimizer, is_fused_optimizer
+from autopatch.contrib import LEFT_TO_FUSE_STEP, fuse_optimizer, fuse_step, is_fused_optimizer
 from training import assert_same, assert_state_equal, batches, clone, mlp, train, weights
 
 
@@ -246,10 +246,16 @@ def test_is_fused_optimizer_and_fusing_twice():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     assert not is_fused_optimizer(opt)
+    with pytest.raises(TypeError, match="call fuse_optimizer"):
+        fuse_step(opt)
     assert fuse_optimizer(opt) is opt and is_fused_optimizer(opt)
-    fuse_step = opt.fuse_step
-    assert fuse_optimizer(opt, do_flatten=False) is opt and opt.fuse_step == fuse_step
+    bound = opt.fuse_step
+    assert fuse_optimizer(opt, do_flatten=False) is opt and opt.fuse_step == bound
     assert not is_fused_optimizer(copy.deepcopy(opt)), "copies carry neither fuse_step nor flat buffers"
+    ((x, y),) = batches(1)
+    nn.functional.cross_entropy(model(x), y).backward()
+    fuse_step(opt)   # Bagua's function form
+    assert flat_of(opt).fused_steps == 1
 
 
 @pytest.mark.parametrize("direction", ["fused_to_plain", "plain_to_fused"])
