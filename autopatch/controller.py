@@ -93,6 +93,9 @@ class OptimizerController:
         return None
 
     def _probe_note(self):
+        if self.policy.fusion.compile:
+            return ("multi_layer steps run through torch.compile: equal to per-tensor updates within "
+                    "float rounding (the compiler may fuse arithmetic); backward/forward stay eager")
         if _matches(self.qualname, self.policy.fusion.force) or not self.policy.fusion.probe:
             return "fused without the probe (fusion.force / fusion.probe: false)"
         if self.bitwise:
@@ -104,8 +107,12 @@ class OptimizerController:
             chunk = self.chunk_bytes or (default_chunk_bytes(opt) if self.policy.fusion.chunk_bytes == "auto"
                                          else self.policy.fusion.chunk_bytes)
             self.chunk_bytes = chunk
-            cls = {"multi_layer": MultiLayerStep, "backward": BackwardFusion, "forward": ForwardFusion}[mode]
-            self.strategies[mode] = cls(opt, chunk, owned_storages=self.owned_storages)
+            if mode == "multi_layer":
+                self.strategies[mode] = MultiLayerStep(opt, chunk, owned_storages=self.owned_storages,
+                                                       compile=self.policy.fusion.compile)
+            else:
+                cls = BackwardFusion if mode == "backward" else ForwardFusion
+                self.strategies[mode] = cls(opt, chunk, owned_storages=self.owned_storages)
         return self.strategies[mode]
 
     def _activate(self, opt, mode, reason):

@@ -289,3 +289,17 @@ def test_chunk_size_and_mode_switch_between_steps():
         autopatch.disable()
     assert_same(weights(ref_model), weights(model))
     assert_state_equal(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_compile_runs_the_fused_step_compiled():
+    """fusion.compile: the fused step goes through torch.compile; the compiler may contract
+    arithmetic differently, so equality is within float rounding, and the report says so."""
+    make = TORCH_OPTIMIZERS["adamw"]
+    ref = run(make, patched=False, steps=6)
+    got = run(make, steps=6, compile=True)
+    entry = stepped(got[3])
+    assert entry["fusion"]["compiled"] is True, entry["fusion"]["compile_error"]
+    assert entry["fusion"]["compile_seconds"] > 0
+    assert "torch.compile" in entry["reason"]
+    for a, b in zip(ref[1], got[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

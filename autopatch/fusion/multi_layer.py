@@ -6,8 +6,11 @@ swapped back, so outside ``step()`` the optimizer looks exactly as unpatched: sa
 per-parameter state (views into the flat state), same ``state_dict()``.
 """
 
+import time
+
 import torch
 
+from .chunk_step import raw_step_of
 from .flat import FlatRun, state_signature
 
 
@@ -31,8 +34,15 @@ class MultiLayerStep:
 
     mode = "multi_layer"
 
-    def __init__(self, optimizer, chunk_bytes, align=False, grad_buffer=True, owned_storages=None):
+    def __init__(self, optimizer, chunk_bytes, align=False, grad_buffer=True, owned_storages=None,
+                 compile=False):
         self.opt = optimizer
+        # compile: run the fused step through torch.compile (one pass over memory for any
+        # elementwise optimizer); the first call's time is the compile time; failures fall back.
+        self.compile = compile and raw_step_of(optimizer) is not None
+        self.compiled = None
+        self.compile_seconds = None
+        self.compile_error = None
         self.chunk_bytes = int(chunk_bytes)
         self.run_options = dict(align=align, grad_buffer=grad_buffer)
         # Storages of flat buffers built for this optimizer (by any mode): params living there
@@ -189,6 +199,8 @@ class MultiLayerStep:
         """
         if closure is None:
             self.swap_in()
+            if self.compile and self.swapped and self.compile_error is None:
+                self._compiled_step()
             return None
 
         def closure_then_fuse():
@@ -196,6 +208,22 @@ class MultiLayerStep:
             self.swap_in()
             return loss
         return closure_then_fuse
+
+    def _compiled_step(self):
+        """Update every swapped-in group with the compiled step, then leave the user's step()
+        nothing to do for them."""
+        t0 = time.perf_counter()
+        try:
+            if self.compiled is None:
+                self.compiled = torch.compile(raw_step_of(self.opt))
+            self.compiled(self.opt)
+        except Exception as e:   # the eager step() that follows does the update instead
+            self.compile_error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            return
+        if self.compile_seconds is None:
+            self.compile_seconds = time.perf_counter() - t0
+        for group, _ in self.swapped:
+            group["params"] = []
 
     def after_step(self):
         self.restore()
@@ -224,5 +252,9 @@ class MultiLayerStep:
         }
 
     def describe(self):
-        return dict(self.layout(), fused_steps=self.fused_steps,
-                    fallback_group_steps=self.fallback_steps, last_fallback=self.last_fallback)
+        out = dict(self.layout(), fused_steps=self.fused_steps,
+                   fallback_group_steps=self.fallback_steps, last_fallback=self.last_fallback)
+        if self.compile:
+            out.update(compiled=self.compile_error is None and self.compile_seconds is not None,
+                       compile_seconds=self.compile_seconds, compile_error=self.compile_error)
+        return out
