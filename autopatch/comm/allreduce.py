@@ -13,9 +13,10 @@ A synchronised backward:
 
 The first synchronised backward only records the order gradients arrive in. Rank 0's order is
 broadcast, the flat buffers are laid out in it, and that step is reduced at its end without
-overlap. Every synchronised backward starts with a small all-gather of a layout checksum, launched
-before any bucket; it is checked before anything is waited on, so ranks whose layouts differ
-raise ``LayoutMismatch`` instead of averaging unrelated gradients or hanging.
+overlap. Every synchronised backward starts with a small all-gather of a layout checksum at its first
+hook, and the step's first bucket is launched only once the checksums agree (the round trip
+overlaps the computation of that bucket's gradients). Ranks whose layouts differ raise
+``LayoutMismatch`` and never issue mismatched collectives, on which gloo aborts the process.
 
 Knobs for the autotuner: ``set_bucket_bytes(n)``, ``set_compression(name)`` and
 ``set_hierarchical(flag)`` take effect at the next synchronised backward. Call them on every rank
@@ -166,6 +167,7 @@ class BucketedAllreduce:
             self._launch(self._next_bucket)
 
     def _launch(self, b):
+        self._verify_layout()
         phases = self.averager.phases(self.buckets[b].tensor)
         self._inflight.append((phases, next(phases), b))
         self._next_bucket = b + 1
@@ -225,7 +227,10 @@ class BucketedAllreduce:
         self._check = (all_gather_into(rows, mine, group=self.group, async_op=True), rows)
 
     def _verify_layout(self):
-        work, rows = self._check
+        """Before this step's first bucket: gloo aborts the process on mismatched collectives."""
+        if self._check is None:
+            return
+        (work, rows), self._check = self._check, None
         self._wait(work, "the bucket layout check")
         rows = rows.tolist()
         if all(r == rows[0] for r in rows):

@@ -83,7 +83,7 @@ class DDPTakeover:
         for name, reason in HANDED_BACK_BY.items():
             self.ledger.wrap(ddp_class, name, self._handing_back(reason))
         for obj in gc.get_objects():
-            if issubclass(type(obj), ddp_class):
+            if ddp_class in type(obj).__mro__:   # not issubclass: its ABC checks are slow over every object
                 self.adopt(obj)
 
     def adopt(self, ddp):

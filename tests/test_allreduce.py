@@ -1,0 +1,231 @@
+"""Bucketed allreduce on 2 real gloo ranks: equal to DDP, identical on every rank, clear errors.
+
+Three spawns of 2 processes each (``allreduce_worker.py``) run every scenario; the tests below
+read what they saved. On 2 ranks each element's sum is one addition and the 1/2 scaling is exact,
+so uncompressed results must equal DDP's bit for bit whatever the bucket layout; compressed ones
+must stay within the bound documented in ``autopatch.comm.compression``.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from autopatch.comm.compression import error_bound
+from conftest import TESTS, clean_env
+
+SPAWN_TIMEOUT = 150
+
+
+def spawn(suite, tmp_path_factory):
+    """Run both ranks of ``suite``; return {rank: saved results} and the processes' outputs."""
+    tmp = tmp_path_factory.mktemp(suite)
+    env = clean_env(OMP_NUM_THREADS=1, GLOO_SOCKET_IFNAME="lo")
+    procs = [subprocess.Popen([sys.executable, str(TESTS / "allreduce_worker.py"), suite, str(rank),
+                               str(tmp / "init"), str(tmp / f"rank{rank}.pt")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=SPAWN_TIMEOUT)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = {r: torch.load(tmp / f"rank{r}.pt", weights_only=False)
+               for r in (0, 1) if (tmp / f"rank{r}.pt").exists()}
+    return results, outputs, [p.returncode for p in procs]
+
+
+@pytest.fixture(scope="module")
+def equivalence(tmp_path_factory):
+    results, outputs, codes = spawn("equivalence", tmp_path_factory)
+    assert codes == [0, 0] and len(results) == 2, "\n".join(outputs)
+    return results
+
+
+def assert_bitwise(a, b, what):
+    assert len(a) == len(b), what
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x is None or y is None:
+            assert x is None and y is None, f"{what}[{i}]: one is None"
+        else:
+            assert torch.equal(x, y), f"{what}[{i}] differs by {(x - y).abs().max().item()}"
+
+
+def assert_same_run(got, ref):
+    assert got["losses"] == ref["losses"]
+    for key in ("weights", "buffers", "first_grads"):
+        assert_bitwise(got[key], ref[key], key)
+    assert got["grad_is_none"] == ref["grad_is_none"]
+
+
+def active(run):
+    section = run["report"]["allreduce"]
+    assert section["active"], section
+    return section
+
+
+@pytest.mark.parametrize("nbytes", [1024, 8192, 25 * 2**20])
+def test_bitwise_equal_to_ddp_for_each_bucket_size(equivalence, nbytes):
+    for rank in (0, 1):
+        run = equivalence[rank][f"bucket_{nbytes}"]
+        assert_same_run(run, equivalence[rank]["ddp"])
+        section = active(run)
+        assert section["bucket_bytes"] == nbytes
+        assert section["bytes_sent_per_step"] > 0 and section["wait_seconds"] >= 0
+    buckets = active(equivalence[0][f"bucket_{nbytes}"])["buckets"]
+    assert buckets == (1 if nbytes > 2**20 else buckets) and buckets >= 1
+
+
+def test_smaller_buckets_mean_more_of_them(equivalence):
+    counts = [active(equivalence[0][f"bucket_{n}"])["buckets"] for n in (1024, 8192, 25 * 2**20)]
+    assert counts[0] > counts[1] > counts[2] == 1
+
+
+def test_ranks_end_identical(equivalence):
+    for name, run in equivalence[0].items():
+        if isinstance(run, dict) and "weights" in run:
+            assert_bitwise(run["weights"], equivalence[1][name]["weights"], f"{name}: rank 0 vs rank 1")
+
+
+def test_bucket_size_changed_mid_training(equivalence):
+    for rank in (0, 1):
+        run = equivalence[rank]["changing"]
+        assert_same_run(run, equivalence[rank]["ddp"])
+        model = active(run)["models"][0]
+        assert model["layouts"] == 3 and model["bucket_bytes"] == 8192
+    assert active(equivalence[0]["bucket_size_2p"])["bucket_bytes"] == 1024
+    assert_same_run(equivalence[0]["bucket_size_2p"], equivalence[0]["ddp"])
+
+
+def test_no_sync_accumulation(equivalence):
+    for rank in (0, 1):
+        assert_same_run(equivalence[rank]["no_sync"], equivalence[rank]["ddp_no_sync"])
+        assert active(equivalence[rank]["no_sync"])["models"][0]["synchronised_steps"] == 6
+
+
+def test_unused_parameters(equivalence):
+    for rank in (0, 1):
+        for name in ("unused", "unused_no_sync"):
+            run, ref = equivalence[rank][name], equivalence[rank][f"ddp_{name}"]
+            assert_same_run(run, ref)
+            assert run["grad_is_none"][-2:] == [True, True]     # `never` keeps grad None, as in DDP
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16", "minmax_uint8"])
+def test_compression_within_its_bound(equivalence, compression):
+    local = equivalence[0]["local_grads"]
+    exact = (local[0].double() + local[1].double()) / 2
+    bound = error_bound(compression, local)
+    for rank in (0, 1):
+        run = equivalence[rank][compression]
+        got = torch.cat([g.reshape(-1) for g in run["first_grads"]]).double()
+        excess = (got - exact).abs() - bound
+        assert excess.max() <= 0, f"{compression}: bound exceeded by {excess.max().item()}"
+        assert active(run)["compression"] == compression
+        ref = equivalence[rank]["ddp"]["losses"]
+        assert max(abs(a - b) for a, b in zip(run["losses"], ref)) < 0.05
+    assert_bitwise(equivalence[0][compression]["first_grads"], equivalence[1][compression]["first_grads"],
+                   f"{compression} gradients, rank 0 vs rank 1")
+
+
+def test_compression_cuts_bytes(equivalence):
+    sent = {c: active(equivalence[0][c])["bytes_sent_per_step"]
+            for c in ("fp16", "bf16", "minmax_uint8")}
+    plain = active(equivalence[0]["bucket_26214400"])["bytes_sent_per_step"]
+    assert sent["fp16"] * 2 == plain and sent["bf16"] * 2 == plain
+    assert sent["minmax_uint8"] * 3.5 < plain
+
+
+def test_with_multi_layer_fusion(equivalence):
+    for rank in (0, 1):
+        run = equivalence[rank]["multi_layer"]
+        assert_same_run(run, equivalence[rank]["ddp_adam"])
+        active(run)
+        assert [o["mode"] for o in run["report"]["optimizers"]] == ["multi_layer"]
+
+
+def test_hierarchical_reduce(equivalence):
+    """2 ranks as 2 nodes of 1 (only the leaders' allreduce) and as 1 node of 2 (reduce + broadcast)."""
+    for rank in (0, 1):
+        for nodes in ("2x1", "1x2"):
+            run = equivalence[rank][f"hierarchical_{nodes}"]
+            assert_same_run(run, equivalence[rank]["ddp"])
+            assert active(run)["hierarchical"]
+        local = equivalence[0]["local_grads"]
+        exact = (local[0].double() + local[1].double()) / 2
+        between_nodes = equivalence[rank]["hierarchical_2x1_fp16"]
+        got = torch.cat([g.reshape(-1) for g in between_nodes["first_grads"]]).double()
+        assert ((got - exact).abs() <= error_bound("fp16", local)).all()
+        assert not torch.equal(got, exact.float().double())     # fp16 did apply between nodes
+        # Compression applies between nodes only: on one node the result stays exact.
+        assert_same_run(equivalence[rank]["hierarchical_1x2_fp16"], equivalence[rank]["ddp"])
+
+
+def test_model_built_before_enable_and_given_back_on_disable(equivalence):
+    for rank in (0, 1):
+        run, ref = equivalence[rank]["adopted_then_disabled"], equivalence[rank]["ddp_3_then_3"]
+        assert_same_run(run, ref)
+        assert_same_run(run["after"], ref["after"])
+        assert active(run)["models"][0]["synchronised_steps"] == 3
+
+
+def test_left_to_ddp_with_a_reason(equivalence):
+    for rank in (0, 1):
+        hooked = equivalence[rank]["comm_hook"]
+        assert_same_run(hooked, equivalence[rank]["ddp"])
+        section = hooked["report"]["allreduce"]
+        assert not section["active"]
+        assert "communication hook" in section["left_to_ddp"][0]["reason"]
+        static = equivalence[rank]["static_graph"]
+        assert_same_run(static, equivalence[rank]["ddp"])
+        assert "static_graph" in static["report"]["allreduce"]["reason"]
+        off = equivalence[rank]["disabled_policy"]["report"]["allreduce"]
+        assert off == {"active": False, "reason": "allreduce.enabled is false"}
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory):
+    return spawn("failures", tmp_path_factory)
+
+
+def test_layout_mismatch_is_a_clear_error(failures):
+    results, outputs, codes = failures
+    assert 0 in results, "\n".join(outputs)
+    for r in results.values():
+        error = r["mismatch"]
+        assert error["type"] == "LayoutMismatch", error
+        assert "rank 0: " in error["message"] and "1024 bytes" in error["message"]
+        assert "rank 1: " in error["message"] and "8192 bytes" in error["message"]
+
+
+def test_rank_death_is_a_clear_error(failures):
+    results, outputs, codes = failures
+    assert codes[1] == 17, "rank 1 was meant to die"
+    error = results[0]["death"]
+    assert error["type"] == "CommunicationError", error
+    assert "another rank has most likely exited" in error["message"].lower()
+    assert error["seconds"] < 25
+
+
+@pytest.fixture(scope="module")
+def stall(tmp_path_factory):
+    results, outputs, codes = spawn("stall", tmp_path_factory)
+    assert len(results) == 2, "\n".join(outputs)
+    return results
+
+
+def test_stalled_rank_times_out(stall):
+    error = stall[0]["stall"]
+    assert error["type"] == "CommunicationError", error
+    assert "timed out" in error["message"].lower()
+    assert 1.5 <= error["seconds"] < 3.5
+
+
+def test_rank_that_does_not_switch_buckets_is_caught(stall):
+    for rank in (0, 1):
+        error = stall[rank]["one_rank_switches"]
+        assert error["type"] == "LayoutMismatch", error
