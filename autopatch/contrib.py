@@ -221,11 +221,13 @@ def _not_fusable(p):
 def _overlapping(groups):
     """Parameters whose memory overlaps another's, as {id(param): reason}, and their storages:
     such storages are never adopted, as moving one of those parameters would split an alias."""
-    spans = []
+    spans = []   # (storage ptr, first byte, bytes spanned, param)
     for g in groups:
         for p in g["params"]:
-            extent = 1 + sum((n - 1) * s for n, s in zip(p.shape, p.stride())) if p.numel() else 0
-            spans.append((p.untyped_storage().data_ptr(), p.storage_offset(), extent, p))
+            if p.numel():
+                elems = 1 + sum((n - 1) * s for n, s in zip(p.shape, p.stride()))
+                size = p.element_size()
+                spans.append((p.untyped_storage().data_ptr(), p.storage_offset() * size, elems * size, p))
     spans.sort(key=lambda s: s[:3])
     out, storages, last = {}, set(), None   # last: (ptr, end, param) of the span reaching furthest so far
     for ptr, start, extent, p in spans:

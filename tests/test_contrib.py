@@ -242,6 +242,28 @@ def test_do_flatten_false_fuses_only_what_is_already_back_to_back(layout):
     assert fused_params == {"by_group": 14, "interleaved": 0, "separate": 0}[layout]
 
 
+@pytest.mark.parametrize("do_flatten", [True, False])
+def test_parameters_aliasing_one_buffer_are_never_fused(do_flatten):
+    """Two parameters viewing overlapping memory must stay aliased and be stepped one by one
+    (Bagua built overlapping views over such buffers)."""
+    def run(fused):
+        buf = torch.linspace(-1, 1, 40)
+        a, b, c = (nn.Parameter(buf[s:e]) for s, e in ((0, 20), (10, 30), (30, 40)))
+        opt = torch.optim.SGD([a, b, c], lr=0.1, momentum=0.9)
+        if fused:
+            fuse_optimizer(opt, do_flatten=do_flatten)
+        for i in range(4):
+            opt.zero_grad()
+            ((a * (i + 1)).sum() + (b ** 2).sum() + c.sum()).backward()
+            (opt.fuse_step if fused else opt.step)()
+        assert a.data_ptr() + 10 * a.element_size() == b.data_ptr(), "a and b still alias"
+        return [a.detach().clone(), b.detach().clone(), c.detach().clone()], opt
+    ref, _ = run(False)
+    got, opt = run(True)
+    assert_same(got, ref)
+    assert flat_of(opt).describe()["fused_params"] == 0
+
+
 def test_is_fused_optimizer_and_fusing_twice():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
