@@ -55,21 +55,36 @@ def assert_no_hooks(opt, model):
     assert _get_current_function_mode_stack() == []
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_disable_restores_every_object_and_removes_every_hook(ap, policy):
-    classes, modules, hooks = snapshot()
-    original_init = vars(torch.optim.Optimizer)["__init__"]
+def two_jobs(policy=None, ap=None):
+    """Two seeded Adam jobs, one built before enable() and one after; autopatch (if a policy is
+    given) is disabled after six of their nine steps. Returns the models, optimizers and losses."""
+    data = batches(9)
     early_model = mlp()
     early = make(early_model)                     # built before enable(): adopted
-    ap.enable(policy)
-    assert vars(torch.optim.Optimizer)["__init__"] is not original_init
+    if policy:
+        ap.enable(policy)
     late_model = mlp(seed=3)
     late = make(late_model)
-    for model, opt in ((early_model, early), (late_model, late)):
-        train(model, opt, batches(5))
-        opt.load_state_dict(opt.state_dict())
-        assert any(len(getattr(opt, name)) for name in OPT_HOOKS)
-    ap.disable()
+    jobs = [(early_model, early, []), (late_model, late, [])]
+    for model, opt, losses in jobs:
+        losses += train(model, opt, data[:6])
+        opt.load_state_dict(opt.state_dict())     # a checkpoint round trip while patched
+        if policy:
+            assert any(len(getattr(opt, name)) for name in OPT_HOOKS)
+    if policy:
+        ap.disable()
+    for model, opt, losses in jobs:
+        losses += train(model, opt, data[6:])
+    return jobs
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_disable_restores_everything_and_training_goes_on_as_unpatched(ap, policy):
+    classes, modules, hooks = snapshot()
+    original_init = vars(torch.optim.Optimizer)["__init__"]
+    plain = two_jobs()
+    jobs = two_jobs(policy, ap)
+
     assert vars(torch.optim.Optimizer)["__init__"] is original_init
     for cls, before in classes.items():
         after = vars(cls)
@@ -80,30 +95,15 @@ def test_disable_restores_every_object_and_removes_every_hook(ap, policy):
         changed = [k for k in before if vars(mod).get(k) is not before[k]]
         assert not changed, (mod.__name__, changed)
     assert global_hooks() == hooks
-    for model, opt in ((early_model, early), (late_model, late)):
+
+    for (model, opt, losses), (plain_model, plain_opt, plain_losses) in zip(jobs, plain):
         assert_no_hooks(opt, model)
-
-
-@pytest.mark.parametrize("policy", POLICIES)
-def test_optimizer_trains_like_unpatched_after_disable(ap, policy):
-    data = batches(9)
-    model = mlp()
-    opt = make(model)
-    plain_losses = train(model, opt, data)
-    plain = (weights(model), opt.state_dict())
-
-    model = mlp()
-    ap.enable(policy)
-    opt = make(model)
-    losses = train(model, opt, data[:6])
-    ap.disable()
-    losses += train(model, opt, data[6:])
-    assert_same(losses, plain_losses)
-    assert_same(weights(model), plain[0])
-    assert_state_equal(opt.state_dict(), plain[1])
-    params = {id(p) for p in model.parameters()}
-    assert {id(p) for p in opt.state} == params      # per-parameter state only, nothing of autopatch's
-    assert [o["steps"] for o in ap.report()["optimizers"] if o["steps"]] == [6]
+        assert_same(losses, plain_losses)
+        assert_same(weights(model), weights(plain_model))
+        assert_state_equal(opt.state_dict(), plain_opt.state_dict())
+        params = {id(p) for p in model.parameters()}
+        assert {id(p) for p in opt.state} == params   # per-parameter state only, nothing of autopatch's
+    assert [o["steps"] for o in ap.report()["optimizers"] if o["steps"]] == [6, 6]
 
 
 def test_disable_twice_or_without_enable_is_harmless(ap):
