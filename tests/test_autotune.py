@@ -139,16 +139,24 @@ from training import batches, digest, mlp
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-autopatch.enable("autotune", autotune=json.loads(sys.argv[2]))
-model = torch.nn.parallel.DistributedDataParallel(mlp(width=32, depth=8))
-opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-for x, y in batches(400, width=32, batch=16, seed=1 + rank):
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
+
+
+def train():
+    model = torch.nn.parallel.DistributedDataParallel(mlp(width=32, depth=8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for x, y in batches(400, width=32, batch=16, seed=1 + rank):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return digest(model.module)
+
+
+unpatched = train()
+autopatch.enable("autotune", fusion={"mode": "multi_layer"}, autotune=json.loads(sys.argv[2]))
+patched = train()
 rep = autopatch.report()["autotune"]
 json.dump({"applied": rep["applied"], "trials": len(rep.get("trials", [])), "phase": rep["phase"],
-           "digest": digest(model.module)}, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
+           "digest": patched, "unpatched": unpatched}, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
 dist.destroy_process_group()
 """
 
@@ -164,7 +172,9 @@ def test_distributed_ranks_apply_identical_configs_at_identical_steps(tmp_path):
     import sys
     script = write_script(tmp_path / "ddp_job.py", DDP_JOB)
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path), json.dumps(FAST)],
+    # fusion.mode multi_layer: what is tested here is the agreement, whatever auto would choose.
+    tune = {**FAST, "bounds": {**FAST["bounds"], "mode": ["off", "multi_layer"]}}
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path), json.dumps(tune)],
                               env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=r, WORLD_SIZE=2),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in (0, 1)]
@@ -175,4 +185,4 @@ def test_distributed_ranks_apply_identical_configs_at_identical_steps(tmp_path):
     assert r0["phase"] == r1["phase"] == "frozen"
     assert r0["trials"] >= 5 and r1["trials"] == 0      # rank 0 decides, rank 1 follows
     assert r0["applied"] == r1["applied"] and len(r0["applied"]) == r0["trials"] + 1
-    assert r0["digest"] == r1["digest"]
+    assert r0["digest"] == r1["digest"] == r0["unpatched"] == r1["unpatched"]

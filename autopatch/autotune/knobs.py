@@ -16,6 +16,11 @@ COMM_SETTERS = {"bucket_size_2p": "set_bucket_bytes", "hierarchical": "set_hiera
                 "compression": "set_compression"}
 
 
+def choosing_mode(runtime):
+    """True while an optimizer is still watching the run to choose its mode (mode auto)."""
+    return any(getattr(c, "observation", None) is not None for c in runtime.controllers)
+
+
 def exponent(nbytes):
     """log2 of a byte count: an int for powers of two, else the exact float (so it re-applies)."""
     e = math.log2(nbytes)

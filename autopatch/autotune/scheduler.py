@@ -3,12 +3,17 @@
 Every decision is taken by rank 0 at an iteration all ranks know in advance, and broadcast, so
 every rank switches to the same config at the same step. Switches happen between optimizer steps
 through lossless switches, so the search never changes what the model learns.
-- warm-up: at least ``warmup_steps`` iterations and ``warmup_seconds``; nothing changes. Its
+- warm-up: at least ``warmup_steps`` iterations and ``warmup_seconds``, and until every
+  optimizer has settled its mode (mode ``auto`` watches a few steps first); nothing changes. Its
   iterations give the first estimate of the step time.
-- trials: trial 0 is the run's starting config, then bayes_opt's proposals. A trial runs one
-  settling iteration (re-planning buffers after a switch is a one-off cost, not the config's
-  speed), then ``windows`` windows sized so that the trial lasts about ``trial_seconds``; its score
-  is the median window throughput.
+- trials: trial 0 is the run's starting config, then bayes_opt's proposals. A trial is
+  ``windows`` windows sized so that it lasts about ``trial_seconds``, each after one settling
+  iteration (re-planning buffers after a switch is a one-off cost, not the config's speed).
+  From trial 1 on, windows alternate between the candidate and the incumbent (the best config so
+  far): the candidate's score is its median window throughput, scaled by how the incumbent ran in
+  the same trial against its own score. Load from other jobs on a shared machine comes and goes
+  over seconds; measured side by side, both configs see the same load, so scores stay comparable
+  across the whole search.
 - frozen: after ``max_samples`` trials (or when every config is measured) the best is applied
   for the rest of the run and saved as JSON. ``resume`` with such a file skips the search.
 """
@@ -21,7 +26,7 @@ import time
 
 from ..step_timer import Window
 from . import score
-from .knobs import RunKnobs
+from .knobs import RunKnobs, choosing_mode
 from .space import Space
 from .sync import agree, is_decider, world_size
 from .trials_log import CsvLog, load_best, save_best
@@ -39,14 +44,13 @@ class Autotuner:
         self.knobs = self.space = self.tuner = self.csv = None
         self.left_out, self.notes = {}, []
         self.trials, self.best, self.current = [], None, None
-        self.applied = []            # [iteration, config] on this rank, in order
+        self.applied = []            # [iteration, config] decided, as applied on this rank
         self.samples_per_step = None
         self.decision_seconds = 0.0
         self.started = self.search_started = self.search_ended = None
         self.best_path = None
         self.resume_config = self._load_resume()
         self._acc = timer.accumulator()
-        self._windows = []
         self._step_time = None       # seconds per iteration, last measured: sizes the next trial
         timer.listeners.append(self._tick)
         runtime.sections["autotune"] = self.describe
@@ -72,7 +76,7 @@ class Autotuner:
         if self.started is None:
             self.started = time.perf_counter()
         if self.phase == "trial" and self.current is not None:
-            self._measure(it)
+            self._window(it)
         if it < self.until:
             return
         t0 = time.perf_counter()
@@ -80,21 +84,29 @@ class Autotuner:
         self._follow(agree(decision), it)
         self.decision_seconds += time.perf_counter() - t0
 
-    def _measure(self, it):
-        """Rank 0: close a window when one is full; the settling iteration is dropped."""
-        since = it - self.current["start"]
-        if since == SETTLE:
-            self._acc.take()
-        elif since > SETTLE and (since - SETTLE) % self.current["per_window"] == 0:
+    def _window(self, it):
+        """Close a full window (timings count on rank 0), and at the planned iterations switch
+        between candidate and incumbent (every rank, from the same decision)."""
+        cur = self.current
+        index, pos = divmod(it - cur["start"], SETTLE + cur["per_window"])
+        if pos == SETTLE:
+            self._acc.take()        # the settling iteration
+        elif pos == 0:
             w = self._acc.take()
-            self.current["window"].add(w)
-            self._windows.append(score.rate(w, self.samples_per_step))
+            side = "candidate" if index % 2 or cur["incumbent"] is None else "incumbent"
+            cur["rates"][side].append(score.rate(w, self.samples_per_step))
+            if side == "candidate":
+                cur["window"].add(w)
+            if cur["incumbent"] is not None and index < self.cfg.windows:
+                if self.board is not None:
+                    self.board.flush_window()
+                self.knobs.apply(cur["incumbent"] if index % 2 else cur["config"])
 
     # -- rank 0 decides -----------------------------------------------------------------------
     def _decide(self, it):
         if self.phase == "warmup":
             left = self.cfg.warmup_seconds - (time.perf_counter() - self.started)
-            if left > 0:
+            if left > 0 or choosing_mode(self.runtime):
                 return {"phase": "warmup", "until": it + max(1, math.ceil(left / self._step_seconds()))}
             return self._begin(it)
         return self._end_trial(it)
@@ -137,13 +149,17 @@ class Autotuner:
     def _trial(self, index, config, it):
         windows = self.cfg.windows
         per_window = max(1, round(self.cfg.trial_seconds / windows / self._step_seconds()))
+        incumbent = self.best["config"] if self.best else None
         return {"phase": "trial", "trial": index, "config": config, "per_window": per_window,
-                "until": it + SETTLE + windows * per_window}
+                "incumbent": incumbent, "until": it + windows * (SETTLE + per_window)}
 
     def _end_trial(self, it):
         cur, w = self.current, self.current["window"]
-        rec = {"trial": cur["trial"], "config": cur["config"], "score": statistics.median(self._windows),
-               "train_iter": it, "windows": self._windows, "modes": cur["modes"],
+        raw = statistics.median(cur["rates"]["candidate"])
+        reference = statistics.median(cur["rates"]["incumbent"]) if cur["rates"]["incumbent"] else None
+        rec = {"trial": cur["trial"], "config": cur["config"],
+               "score": raw * self.best["score"] / reference if reference else raw, "raw_score": raw,
+               "incumbent_now": reference, "train_iter": it, "windows": cur["rates"], "modes": cur["modes"],
                "seconds": time.perf_counter() - cur["t0"], "steps": it - cur["start"],
                "started": cur["started"], "breakdown_ms": w.breakdown_ms()}
         self.trials.append(rec)
@@ -175,10 +191,10 @@ class Autotuner:
         self.applied.append([it, decision["config"]])
         if self.phase == "trial":
             self.current = {"trial": decision["trial"], "config": decision["config"], "start": it,
-                            "per_window": decision["per_window"], "modes": modes, "t0": time.perf_counter(),
-                            "started": time.time(), "window": Window()}
+                            "per_window": decision["per_window"], "incumbent": decision["incumbent"],
+                            "rates": {"candidate": [], "incumbent": []}, "modes": modes,
+                            "t0": time.perf_counter(), "started": time.time(), "window": Window()}
             self._acc.take()
-            self._windows = []
             if self.board is not None:
                 self.board.trial = decision["trial"]
         else:
