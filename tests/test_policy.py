@@ -80,8 +80,7 @@ def _mode_of_sgd(ap, *args, **kwargs):
 def test_precedence_seen_through_enable(ap, tmp_path, monkeypatch):
     off = write(tmp_path, "fusion:\n  mode: 'off'\n", "off.yaml")
     fused = write(tmp_path, "fusion:\n  mode: multi_layer\n", "fused.yaml")
-    assert _mode_of_sgd(ap) == "multi_layer"                  # builtin default: auto
-    assert _mode_of_sgd(ap, str(off)) == "off"                # file > builtin default
+    assert _mode_of_sgd(ap, str(off)) == "off"                # file > builtin default (auto)
     monkeypatch.setenv("FUSEDOPT_POLICY", str(off))
     assert _mode_of_sgd(ap) == "off"                          # FUSEDOPT_POLICY names the file
     monkeypatch.setenv("FUSEDOPT_MODE", "multi_layer")
