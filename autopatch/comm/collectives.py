@@ -13,7 +13,7 @@ output, reduce and broadcast ``(n-1)/n`` of the buffer.
 import torch
 import torch.distributed as dist
 
-from .compression import CAST_DTYPES, HEADER_BYTES, compresses, dequantize_rows, quantize_rows
+from .compression import CAST_DTYPES, HEADER_BYTES, compresses, dequantize_rows, quantize_rows_
 
 # all_gather_single is the current name; older torch only has all_gather_into_tensor.
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -76,17 +76,25 @@ class Averager:
 
 
 def _minmax_uint8(tensor, group):
-    """Bagua's ByteGrad scheme: scatter 8-bit chunks, average each at its owner, gather them back."""
+    """Bagua's ByteGrad scheme: scatter 8-bit chunks, average each at its owner, gather them back.
+
+    The bucket itself is the float scratch space: its gradients are spent once encoded.
+    """
     n = dist.get_world_size(group)
     numel = tensor.numel()
     cols = -(-numel // n)
-    rows = tensor.new_empty(n * cols)
-    rows[:numel] = tensor
-    rows[numel:] = tensor[-1]        # padding that widens no chunk's range
-    send = quantize_rows(rows.view(n, cols))
+    if cols * n == numel:
+        rows = tensor.view(n, cols)
+    else:
+        rows = tensor.new_empty(n, cols)
+        rows.view(-1)[:numel] = tensor
+        rows.view(-1)[numel:] = tensor[-1]     # padding that widens no chunk's range
+    send = quantize_rows_(rows)
     recv = torch.empty_like(send)
     yield dist.all_to_all_single(recv, send, group=group, async_op=True)
-    mine = quantize_rows(dequantize_rows(recv).sum(0, keepdim=True))
+    mine = quantize_rows_(dequantize_rows(recv, out=rows).sum(0, keepdim=True))
     gathered = torch.empty_like(send)
     yield all_gather_into(gathered, mine, group=group, async_op=True)
-    tensor.copy_(dequantize_rows(gathered).view(-1)[:numel])
+    dequantize_rows(gathered, out=rows)
+    if rows.data_ptr() != tensor.data_ptr():
+        tensor.copy_(rows.view(-1)[:numel])

@@ -32,22 +32,29 @@ def compresses(compression, tensor):
     return compression != "none" and tensor.dtype == torch.float32
 
 
-def quantize_rows(rows):
-    """float32 ``[r, c]`` -> uint8 ``[r, c + 8]``: each row's codes, then its min and max."""
-    lo = rows.amin(1, keepdim=True)
-    hi = rows.amax(1, keepdim=True)
-    step = (hi - lo) / 255
-    step = torch.where(step > 0, step, torch.ones_like(step))
-    codes = ((rows - lo) / step).round_().clamp_(0, 255).to(torch.uint8)
-    header = torch.cat([lo, hi], 1).view(torch.uint8)
-    return torch.cat([codes, header], 1)
+def quantize_rows_(rows):
+    """float32 ``[r, c]`` -> uint8 ``[r, c + 8]``: each row's codes, then its min and max.
+
+    Encodes in place (``rows`` is left holding the unrounded codes): no full-size temporary,
+    whose fresh pages would cost more than the arithmetic on a CPU.
+    """
+    lo, hi = rows.amin(1, keepdim=True), rows.amax(1, keepdim=True)
+    inverse_step = torch.where(hi > lo, 255 / (hi - lo), torch.ones_like(hi))
+    torch.addcmul(-lo * inverse_step, rows, inverse_step, out=rows).round_().clamp_(0, 255)
+    wire = torch.empty(rows.shape[0], rows.shape[1] + HEADER_BYTES, dtype=torch.uint8, device=rows.device)
+    wire[:, :-HEADER_BYTES] = rows
+    wire[:, -HEADER_BYTES:] = torch.cat([lo, hi], 1).view(torch.uint8)
+    return wire
 
 
-def dequantize_rows(wire):
-    """The inverse of ``quantize_rows``, to within half a code step per element."""
-    header = wire[:, -HEADER_BYTES:].contiguous().view(torch.float32)
+def dequantize_rows(wire, out=None):
+    """The inverse of ``quantize_rows_`` to within half a code step, into ``out`` when given."""
+    header = wire[:, -HEADER_BYTES:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     lo, hi = header[:, :1], header[:, 1:]
-    return wire[:, :-HEADER_BYTES].to(torch.float32) * ((hi - lo) / 255) + lo
+    if out is None:
+        out = torch.empty(wire.shape[0], wire.shape[1] - HEADER_BYTES, device=wire.device)
+    out.copy_(wire[:, :-HEADER_BYTES])
+    return torch.addcmul(lo, out, (hi - lo) / 255, out=out)
 
 
 def error_bound(compression, grads):

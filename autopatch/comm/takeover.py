@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..patching import Ledger
 from .allreduce import BucketedAllreduce
+from .compression import COMPRESSIONS
 
 HANDED_BACK_BY = {
     "register_comm_hook": "a DDP communication hook was registered",
@@ -147,12 +148,26 @@ class DDPTakeover:
         return wrapper
 
     # -- knobs ----------------------------------------------------------------------------------
+    @property
+    def bucket_bytes(self):
+        return self.options["bucket_bytes"]
+
+    @property
+    def compression(self):
+        return self.options["compression"]
+
+    @property
+    def hierarchical(self):
+        return self.options["hierarchical"]
+
     def set_bucket_bytes(self, nbytes):
         self.options["bucket_bytes"] = int(nbytes)
         for reducer in self.reducers.values():
             reducer.set_bucket_bytes(nbytes)
 
     def set_compression(self, compression):
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {compression!r}; expected one of {', '.join(COMPRESSIONS)}")
         self.options["compression"] = compression
         for reducer in self.reducers.values():
             reducer.set_compression(compression)
@@ -174,10 +189,10 @@ class DDPTakeover:
         return {
             "active": bool(models),
             "reason": reason,
-            "bucket_bytes": self.options["bucket_bytes"],
+            "bucket_bytes": self.bucket_bytes,
             "buckets": sum(m["buckets"] for m in models),
-            "compression": self.options["compression"],
-            "hierarchical": self.options["hierarchical"],
+            "compression": self.compression,
+            "hierarchical": self.hierarchical,
             "bytes_sent_per_step": sum(m["bytes_sent_per_step"] for m in models),
             "wait_seconds": round(sum(m["wait_seconds"] for m in models), 6),
             "models": models,
