@@ -54,6 +54,7 @@ class OptimizerController:
         self.bitwise = None
         self.observation = None
         self.candidates = ()
+        self.final_fusion = None
         self._t0 = None
         self._handles = [
             opt.register_step_pre_hook(self._pre_step),
@@ -233,6 +234,9 @@ class OptimizerController:
             self.observation = None
         if self.strategy is not None:
             self.strategy.deactivate()
+            self.final_fusion = self.strategy.describe()
+        # The report outlives disable(): keep its figures, not the optimizer and its buffers.
+        self.strategy, self.strategies = None, {}
         self.runtime.forward_fusions.discard(self)
         for h in self._handles:
             h.remove()
@@ -249,4 +253,6 @@ class OptimizerController:
             out["bitwise"] = self.bitwise
         if self.strategy is not None:
             out["fusion"] = self.strategy.describe()
+        elif self.final_fusion is not None:
+            out["fusion"] = self.final_fusion
         return out

@@ -22,6 +22,7 @@ class Runtime:
         self.step_listeners = []   # called with the controller after every optimizer step
         self.forward_fusions = set()   # controllers in mode forward, with updates to apply
         self._forward_hooks = False
+        self._optimizers_patched = False
         self._by_id = {}
         self.active = False
         self.started = time.perf_counter()
@@ -52,15 +53,22 @@ class Runtime:
             self._patch_torch(module)
 
     def _patch_torch(self, optim):
-        if len(self.ledger):
+        if self._optimizers_patched:
             return
+        self._optimizers_patched = True
         self.ledger.wrap(optim.Optimizer, "__init__", self._after_init)
         gc.collect()   # adopt live optimizers only, not garbage awaiting collection
         for obj in gc.get_objects():
-            # Wrappers that skip Optimizer.__init__ (accelerate's AcceleratedOptimizer) have no
-            # hooks of their own; the optimizer they wrap is adopted by itself.
-            if issubclass(type(obj), optim.Optimizer) and hasattr(obj, "_optimizer_step_pre_hooks"):
+            if issubclass(type(obj), optim.Optimizer) and not self._is_wrapper(obj, optim.Optimizer):
                 self.adopt(obj)
+
+    @staticmethod
+    def _is_wrapper(obj, optimizer_cls):
+        """Wrappers such as accelerate's AcceleratedOptimizer (never ran Optimizer.__init__) or
+        Lightning's LightningOptimizer (copies the wrapped optimizer's __dict__, hook dicts
+        included) step the optimizer they wrap, which is adopted by itself."""
+        return (not hasattr(obj, "_optimizer_step_pre_hooks")
+                or isinstance(getattr(obj, "_optimizer", None), optimizer_cls))
 
     def _on_ddp_module(self, module):
         if self.active:

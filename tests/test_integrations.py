@@ -137,3 +137,29 @@ def test_importing_autopatch_imports_no_framework():
             "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_enable_after_lightning_wrapped_the_optimizer_adopts_it_once():
+    """LightningOptimizer copies the optimizer's __dict__ (hook dicts included): enable() must
+    adopt the wrapped optimizer only, or every step would be hooked twice."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    def go(patched):
+        model = mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        wrapper = LightningOptimizer(opt)   # alive while enable() scans for optimizers
+        if patched:
+            autopatch.enable(mode="multi_layer")
+        try:
+            for x, y in batches(3):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            rep = autopatch.report()
+            del wrapper
+        finally:
+            autopatch.disable()
+        return weights(model), rep
+    ref, (got, rep) = go(False)[0], go(True)
+    assert_same(ref, got)
+    assert [o["class"] for o in rep["optimizers"] if o["steps"]] == ["torch.optim.adamw.AdamW"]

@@ -303,3 +303,29 @@ def test_compile_runs_the_fused_step_compiled():
     assert "torch.compile" in entry["reason"]
     for a, b in zip(ref[1], got[1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_an_unused_head_does_not_stop_the_rest_from_fusing():
+    """Params that never get a gradient end up in a run of their own, which is skipped as the
+    optimizer skips them, while the rest keeps fusing (no re-plan every step)."""
+    def go(patched):
+        torch.manual_seed(0)
+        used, unused = nn.Linear(16, 16), nn.Linear(16, 16)
+        if patched:
+            autopatch.enable(mode="multi_layer", chunk_bytes=CHUNK)
+        try:
+            opt = torch.optim.Adam([*used.parameters(), *unused.parameters()], lr=1e-2)
+            for x, _ in batches(6):
+                opt.zero_grad()
+                used(x).square().mean().backward()
+                opt.step()
+            rep = autopatch.report()
+        finally:
+            autopatch.disable()
+        return weights(used) + weights(unused), opt.state_dict(), rep
+    ref, got = go(False), go(True)
+    assert_same(ref[0], got[0])
+    assert_state_equal(ref[1], got[1])
+    fusion = stepped(got[2])["fusion"]
+    assert fusion["fused_steps"] == 5 and fusion["fallback_group_steps"] == 1
+    assert fusion["replans"] == 2

@@ -44,24 +44,30 @@ class ForwardFusion:
             self.planner.plan()
         dst, src = [], []
         for gi, (plan, group) in enumerate(zip(self.planner.plans, self.opt.param_groups)):
-            if not plan.runs:
-                continue
-            pairs = [(gv, p.grad) for run in plan.runs for p, gv in zip(run.params, run.grad_views)]
-            if any(g is None or g.is_sparse for _, g in pairs):
-                self.planner.dirty = True     # step this group now, per tensor, as unpatched
-                self.fallback_steps += 1
-                continue
-            dst += [gv for gv, _ in pairs]
-            src += [g for _, g in pairs]
-            self.hparams[gi] = hyperparameters(group)
+            deferred, now = [], []
             for run in plan.runs:
+                grads = [p.grad for p in run.params]
+                present = sum(g is not None for g in grads)
+                if present == len(grads) and not any(g.is_sparse for g in grads):
+                    deferred.append(run)
+                    dst += run.grad_views
+                    src += grads
+                else:   # no grad at all: skipped as unpatched; some: step per tensor now
+                    now += run.params
+                    if present:
+                        self.planner.dirty = True
+                        self.fallback_steps += 1
+            if not deferred:
+                continue
+            self.hparams[gi] = hyperparameters(group)
+            for run in deferred:
                 for ci, (i0, i1) in enumerate(run.chunk_spans):
                     key = (id(run), ci)
                     self.pending[key] = (gi, run, ci)
                     for p in run.params[i0:i1]:
                         self.by_param[id(p)] = key
             self.swapped.append((group, group["params"]))
-            group["params"] = plan.rest
+            group["params"] = now + plan.rest
         if dst:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)

@@ -25,8 +25,6 @@ class _GroupPlan:
         self.runs = []
         self.rest = []
 
-    def chunk_params(self):
-        return [c for run in self.runs for c in run.chunks]
 
 
 class MultiLayerStep:
@@ -123,7 +121,13 @@ class MultiLayerStep:
 
     # -- the step -----------------------------------------------------------------------------
     def swap_in(self):
-        """Gather grads into the flat buffers and put chunks in place of fused params."""
+        """Gather grads into the flat buffers and put chunks in place of fused params.
+
+        A run fuses when every one of its params has a dense grad. A run where none has one
+        (an unused head) is simply skipped, as the optimizer would skip it. A run where only some
+        have one steps per tensor, exactly as unpatched, and is re-planned afterwards so params
+        whose state moved differently stop sharing a run.
+        """
         if self.swapped:
             return
         if self.needs_plan():
@@ -132,33 +136,30 @@ class MultiLayerStep:
         for plan, group in zip(self.plans, self.opt.param_groups):
             if not plan.runs:
                 continue
-            missing = None
-            dst, src = [], []
+            fused, unfused = [], []
             for run in plan.runs:
-                for p, gv in zip(run.params, run.grad_views):
-                    g = p.grad
-                    if g is None or g.is_sparse:
-                        missing = "a parameter has no gradient this step" if g is None else "sparse gradient"
-                        break
-                    if g.data_ptr() != gv.data_ptr():
-                        dst.append(gv)
-                        src.append(g)
-                if missing:
-                    break
-            if missing:
-                # Step this group unfused, exactly as unpatched; re-plan next time so that
-                # parameters whose state moved differently do not share a run.
-                self.dirty = True
-                self.fallback_steps += 1
-                self.last_fallback = missing
+                grads = [p.grad for p in run.params]
+                present = sum(g is not None for g in grads)
+                if present == len(grads) and not any(g.is_sparse for g in grads):
+                    fused.append(run)
+                    for g, gv in zip(grads, run.grad_views):
+                        if g.data_ptr() != gv.data_ptr():
+                            copies_dst.append(gv)
+                            copies_src.append(g)
+                    continue
+                unfused += run.params
+                if present:
+                    self.dirty = True
+                    self.fallback_steps += 1
+                    self.last_fallback = ("some parameters of a run had no gradient" if present < len(grads)
+                                          else "sparse gradient")
+            if not fused:
                 continue
-            copies_dst += dst
-            copies_src += src
-            group["params"] = plan.chunk_params() + plan.rest
-            for run in plan.runs:
+            group["params"] = [c for run in fused for c in run.chunks] + unfused + plan.rest
+            for run in fused:
                 for c, cs in zip(run.chunks, run.chunk_states):
                     self.opt.state[c] = cs
-            self.swapped.append((group, plan))
+            self.swapped.append((group, plan, fused))
         if copies_dst:
             if self._rebound_last:
                 self.rebind_grads = False   # grads are recreated each step (set_to_none=True)
@@ -171,9 +172,9 @@ class MultiLayerStep:
         """Put the user's params back and keep per-parameter state in step with the flat state."""
         swapped, self.swapped = self.swapped, []
         rebound = False
-        for group, plan in swapped:
+        for group, plan, fused in swapped:
             group["params"] = plan.original
-            for run in plan.runs:
+            for run in fused:
                 for c in run.chunks:
                     self.opt.state.pop(c, None)
                 why = run.sync(self.opt.state.__getitem__)
@@ -222,7 +223,7 @@ class MultiLayerStep:
             return
         if self.compile_seconds is None:
             self.compile_seconds = time.perf_counter() - t0
-        for group, _ in self.swapped:
+        for group, _, _ in self.swapped:
             group["params"] = []
 
     def after_step(self):
