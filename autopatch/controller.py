@@ -11,8 +11,11 @@ activates another over the same per-parameter optimizer state, so a switch never
 """
 
 import fnmatch
+import sys
 import time
 import weakref
+
+import torch
 
 from .fusion.backward import BackwardFusion
 from .fusion.chunk_step import raw_step_of
@@ -24,6 +27,23 @@ from .observe import Observation
 
 FUSION_MODES = ("multi_layer", "backward", "forward")
 AUTO_PREFERENCE = ("backward", "forward", "multi_layer")
+
+
+# The code of torch's per-class step wrapper: a subclass whose step() calls super().step() runs
+# two of them, and only the outer one is the user's step.
+_STEP_WRAPPER_CODE = torch.optim.Optimizer.profile_hook_step(lambda *a: None).__code__
+
+
+def _outer_step_running(opt):
+    """True when an enclosing step() of ``opt`` is still running (we are a nested call)."""
+    frame, seen = sys._getframe(2), 0
+    while frame is not None:
+        if frame.f_code is _STEP_WRAPPER_CODE and frame.f_locals.get("self") is opt:
+            seen += 1
+            if seen == 2:
+                return True
+        frame = frame.f_back
+    return False
 
 
 def qualified_name(cls):
@@ -55,6 +75,7 @@ class OptimizerController:
         self.observation = None
         self.candidates = ()
         self.final_fusion = None
+        self._depth = 0               # nesting of step() calls on this optimizer
         self._t0 = None
         self._handles = [
             opt.register_step_pre_hook(self._pre_step),
@@ -190,6 +211,12 @@ class OptimizerController:
 
     # -- hooks -------------------------------------------------------------------------------
     def _pre_step(self, opt, args, kwargs):
+        if self._depth:
+            if _outer_step_running(opt):
+                self._depth += 1      # super().step() inside the user's step(): not a new step
+                return None
+            self.flush()              # the last step() raised before its post-hook could run
+        self._depth = 1
         self._t0 = time.perf_counter()
         self.steps += 1
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
@@ -207,6 +234,9 @@ class OptimizerController:
         return args, dict(kwargs, closure=replacement)
 
     def _post_step(self, opt, args, kwargs):
+        self._depth -= 1
+        if self._depth > 0:
+            return
         if self.strategy is not None:
             self.strategy.after_step()
         if self.observation is not None:

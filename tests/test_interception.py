@@ -155,8 +155,6 @@ def test_every_optimizer_is_intercepted(ap, style, policy):
 EXTRA = {"CountingAdam": lambda ps: CountingAdam(ps, lr=1e-2)}
 
 
-@pytest.mark.xfail(strict=True, reason="a subclass step calling super().step() runs torch's step hooks "
-                   "twice; the controller counts (and fuses) the nested call again")
 def test_subclass_calling_super_step_is_intercepted_once():
     # In a fresh interpreter: the failure can leave autopatch's state behind in this one.
     code = "import test_interception as t; [t.check_all(['CountingAdam'], 'plain', p) for p in ('safe', 'default')]"

@@ -329,3 +329,40 @@ def test_an_unused_head_does_not_stop_the_rest_from_fusing():
     fusion = stepped(got[2])["fusion"]
     assert fusion["fused_steps"] == 5 and fusion["fallback_group_steps"] == 1
     assert fusion["replans"] == 2
+
+
+class FailsOnce(torch.optim.Adam):
+    """Raises at the start of its third step(), as a bad batch or a user check might."""
+
+    calls = 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls == 3:
+            raise FloatingPointError("bad batch")
+        return super().step(closure)
+
+
+def test_a_step_that_raises_leaves_the_optimizer_usable():
+    def go(patched):
+        model = mlp()
+        if patched:
+            autopatch.enable(mode="multi_layer", chunk_bytes=CHUNK)
+        try:
+            opt = FailsOnce(model.parameters(), lr=1e-2)
+            for i, (x, y) in enumerate(batches(6)):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                try:
+                    opt.step()
+                except FloatingPointError:
+                    sd = opt.state_dict()   # right after the failure: the user's params, as unpatched
+                    assert len(sd["param_groups"][0]["params"]) == len(list(model.parameters()))
+            rep = autopatch.report()
+        finally:
+            autopatch.disable()
+        return weights(model), opt.state_dict(), rep
+    ref, got = go(False), go(True)
+    assert_same(ref[0], got[0])
+    assert_state_equal(ref[1], got[1])
+    assert stepped(got[2])["steps"] == 6
