@@ -13,8 +13,6 @@ def attach(runtime):
     if logdir:
         from .tb_writer import Board
         board = Board(logdir, timer)
-        if policy.autotune.batch_size:
-            board.samples_per_step = policy.autotune.batch_size
     if policy.autotune.enabled:
         from .autotune import Autotuner
         Autotuner(runtime, timer, board)

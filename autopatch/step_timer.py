@@ -65,6 +65,15 @@ def comm_target(runtime):
     return None
 
 
+def comm_wait(comm):
+    """Seconds spent waiting for gradient communication so far, summed over its models."""
+    if comm is None:
+        return 0.0
+    if hasattr(comm, "wait_seconds"):
+        return float(comm.wait_seconds)
+    return float(sum(getattr(r, "wait_seconds", 0.0) for r in getattr(comm, "reducers", {}).values()))
+
+
 class StepTimer:
     def __init__(self, runtime, breakdown):
         self.runtime = runtime
@@ -95,8 +104,7 @@ class StepTimer:
 
     def _totals(self):
         optimizer = sum(c.step_seconds for c in self.runtime.controllers)
-        comm = comm_target(self.runtime)
-        return optimizer, float(getattr(comm, "wait_seconds", 0.0) or 0.0)
+        return optimizer, comm_wait(comm_target(self.runtime))
 
     def _on_step(self, ctrl):
         if self.clock is None:

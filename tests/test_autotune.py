@@ -173,7 +173,8 @@ def test_distributed_ranks_apply_identical_configs_at_identical_steps(tmp_path):
     script = write_script(tmp_path / "ddp_job.py", DDP_JOB)
     port = free_port()
     # fusion.mode multi_layer: what is tested here is the agreement, whatever auto would choose.
-    tune = {**FAST, "bounds": {**FAST["bounds"], "mode": ["off", "multi_layer"]}}
+    tune = {**FAST, "knobs": ["mode", "chunk_size_2p", "bucket_size_2p"],
+            "bounds": {**FAST["bounds"], "mode": ["off", "multi_layer"], "bucket_size_2p": [12, 20]}}
     procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path), json.dumps(tune)],
                               env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=r, WORLD_SIZE=2),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -185,4 +186,5 @@ def test_distributed_ranks_apply_identical_configs_at_identical_steps(tmp_path):
     assert r0["phase"] == r1["phase"] == "frozen"
     assert r0["trials"] >= 5 and r1["trials"] == 0      # rank 0 decides, rank 1 follows
     assert r0["applied"] == r1["applied"] and len(r0["applied"]) == r0["trials"] + 1
+    assert {tuple(config) for _, config in r0["applied"]} == {("mode", "chunk_size_2p", "bucket_size_2p")}
     assert r0["digest"] == r1["digest"] == r0["unpatched"] == r1["unpatched"]

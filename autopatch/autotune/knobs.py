@@ -44,9 +44,13 @@ class RunKnobs:
         if knob in COMM_SETTERS:
             if self.world == 1:
                 return "single-process run"
-            if not hasattr(self.comm, COMM_SETTERS[knob]):
+            if not hasattr(self.comm, COMM_SETTERS[knob]) or not self._comm_active():
                 return "no bucketed allreduce with this switch is in charge of this run"
         return None
+
+    def _comm_active(self):
+        describe = getattr(self.comm, "describe", None)
+        return describe is None or bool(describe().get("active", True))
 
     def bounds(self):
         """(knob -> bounds for the knobs that apply, knob -> reason for those left out)."""

@@ -241,7 +241,7 @@ class Autotuner:
                 "lost_seconds": round(sum(max(0.0, t["seconds"] - t["steps"] * best_step) for t in self.trials), 4)}
 
     def describe(self):
-        out = {"active": True, "phase": self.phase, "rank_decides": 0, "applied": self.applied,
+        out = {"active": True, "phase": self.phase, "applied": self.applied,
                "left_out": self.left_out, "notes": self.notes}
         if self.space is not None:
             out.update(knobs=self.space.names, space_size=len(self.space.grid()),
