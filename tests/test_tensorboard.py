@@ -190,3 +190,15 @@ def test_dashboard_tab_in_headless_chromium(server, tmp_path):
         assert (tmp_path / "autopatch-dashboard.png").stat().st_size > 10_000
     finally:
         driver.quit()
+
+
+def test_the_wheel_ships_the_plugin_and_registers_it(tmp_path):
+    import zipfile
+    out = run_python(["-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path, ROOT])
+    assert out.returncode == 0, out.stderr
+    [wheel] = tmp_path.glob("autopatch-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        entry_points = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert {"autopatch_tensorboard/plugin.py", "autopatch_tensorboard/static/index.js"} <= names
+    assert "[tensorboard_plugins]\nautopatch = autopatch_tensorboard.plugin:AutopatchPlugin" in entry_points
