@@ -178,6 +178,8 @@ def expect_error(fn):
 def failures():
     res = {"mismatch": expect_error(lambda: job(on(bucket_bytes=1024 if RANK == 0 else 8192)))}
     dist.barrier()      # a mismatch leaves the process group usable: nothing mismatched was sent
+    res["unused_without_flag"] = expect_error(lambda: job(on(), model=Branchy, steps=2))
+    dist.barrier()      # so does DDP's unused-parameter error: the step's collectives all ran
 
     def die(step, net):
         if step == 2 and RANK == 1:

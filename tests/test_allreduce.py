@@ -202,6 +202,14 @@ def test_layout_mismatch_is_a_clear_error(failures):
         assert "rank 1: " in error["message"] and "8192 bytes" in error["message"]
 
 
+def test_unused_parameter_without_find_unused_is_an_error_as_in_ddp(failures):
+    results, outputs, codes = failures
+    for r in results.values():
+        error = r["unused_without_flag"]
+        assert error["type"] == "RuntimeError", error
+        assert "never.weight" in error["message"] and "find_unused_parameters=True" in error["message"]
+
+
 def test_rank_death_is_a_clear_error(failures):
     results, outputs, codes = failures
     assert codes[1] == 17, "rank 1 was meant to die"

@@ -59,7 +59,6 @@ class BucketedAllreduce:
         self.names = list(names)
         self.group = group
         self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
         self.device = self.params[0].device
         self.find_unused = find_unused
         self.timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
@@ -177,11 +176,17 @@ class BucketedAllreduce:
             if self.flat is None:
                 self._first_layout()
             self._verify_layout()
-            self._contribute_the_rest()
+            missing = self._contribute_the_rest()
             while self._next_bucket < len(self.buckets):
                 self._launch(self._next_bucket)
             used = self._launch_used_bitmap() if self.find_unused else None
-            self._drain()
+            self._drain()       # even when raising below: the other ranks' collectives must match
+            if missing:
+                raise RuntimeError(
+                    f"autopatch allreduce: {len(missing)} parameter(s) received no gradient in this "
+                    f"step ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). As with "
+                    "DDP, a model with unused parameters needs DistributedDataParallel(..., "
+                    "find_unused_parameters=True).")
             self._bind_grads(self._globally_used(used))
             self.steps += 1
         finally:
@@ -191,9 +196,9 @@ class BucketedAllreduce:
     # -- layout -----------------------------------------------------------------------------
     def _first_layout(self):
         """Lay the buffers out in rank 0's arrival order; params that got no gradient go last."""
-        seen = list(dict.fromkeys(self._first_order))
-        rest = [i for i in reversed(range(len(self.params))) if i not in set(seen)]
-        order = torch.tensor(seen + rest, dtype=torch.int64, device=self.device)
+        seen = dict.fromkeys(self._first_order)
+        rest = [i for i in reversed(range(len(self.params))) if i not in seen]
+        order = torch.tensor([*seen, *rest], dtype=torch.int64, device=self.device)
         src = dist.get_global_rank(self.group, 0)
         self._wait(dist.broadcast(order, src=src, group=self.group, async_op=True),
                    "the broadcast of rank 0's gradient order")
@@ -246,20 +251,18 @@ class BucketedAllreduce:
 
     # -- the end of a synchronised backward -------------------------------------------------------
     def _contribute_the_rest(self):
-        """Parameters whose hook did not fire in this backward (unused, or used under no_sync)."""
+        """Parameters whose hook did not fire in this backward (unused, or used under no_sync).
+
+        Returns the names of those that DDP would reject: no gradient at all, and no
+        ``find_unused_parameters`` to say that is expected. They contribute zeros meanwhile.
+        """
         missing = []
         for i, p in enumerate(self.params):
-            if self._contributed[i]:
-                continue
-            if p.grad is None and not self._used[i] and not self.find_unused:
-                missing.append(self.names[i])
-                continue
-            self._contribute(i)
-        if missing:
-            raise RuntimeError(
-                f"autopatch allreduce: {len(missing)} parameter(s) received no gradient in this step "
-                f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). As with DDP, a model "
-                "with unused parameters needs DistributedDataParallel(..., find_unused_parameters=True).")
+            if not self._contributed[i]:
+                if p.grad is None and not self._used[i] and not self.find_unused:
+                    missing.append(self.names[i])
+                self._contribute(i)
+        return missing
 
     def _launch_used_bitmap(self):
         used = torch.tensor(self._used, dtype=torch.int32, device=self.device)
