@@ -39,20 +39,29 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def job(steps=400):
+def job(steps=None, until_frozen=None, limit=5000, after=20):
+    """Train ``steps`` steps, or (autotuned) until ``after`` steps past the freeze: trials last
+    seconds, so how many steps a search takes depends on the machine's speed."""
     torch.manual_seed(0)
     model = mlp(width=32, depth=8)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = train(model, opt, batches(steps, width=32, batch=16))
+    losses, frozen_at = [], None
+    for i, batch in enumerate(batches(steps or limit, width=32, batch=16)):
+        losses += train(model, opt, [batch])
+        if until_frozen and frozen_at is None and i % 10 == 0 and until_frozen.report()["autotune"]["phase"] == "frozen":
+            frozen_at = i
+        if frozen_at is not None and i == frozen_at + after:
+            break
     return model, losses
 
 
 def test_search_explores_freezes_best_and_trains_like_unpatched(ap, tmp_path):
-    ref_model, ref_losses = job()
     ap.enable("autotune", autotune={**FAST, "log_csv": str(tmp_path / "trials.csv"),
                                     "save_best": str(tmp_path / "best.json")})
-    model, losses = job()
+    model, losses = job(until_frozen=ap)
     rep = ap.report()
+    ap.disable()
+    ref_model, ref_losses = job(len(losses))
     tune = rep["autotune"]
     assert tune["phase"] == "frozen", tune
     assert len(tune["trials"]) >= 5
@@ -74,18 +83,19 @@ def test_search_explores_freezes_best_and_trains_like_unpatched(ap, tmp_path):
 def test_resume_applies_the_saved_best_without_searching(ap, tmp_path):
     best = tmp_path / "best.json"
     ap.enable("autotune", autotune={**FAST, "resume": str(best)})   # not there yet: search, save there
-    job(300)
+    job(until_frozen=ap)
     first = ap.report()["autotune"]
     assert first["trials"] and first["best_json"] == str(best)
     ap.disable()
 
-    ref_model, _ = job(300)
+    ref_model, _ = job(50)
     ap.enable("autotune", autotune={**FAST, "resume": str(best)})
-    model, _ = job(300)
+    model, _ = job(50)
     again = ap.report()["autotune"]
     assert again["phase"] == "frozen" and "trials" not in again
     assert again["resumed_from"] == str(best)
-    assert again["applied"] == [[FAST["warmup_steps"], first["best"]["config"]]]
+    [(at, config)] = again["applied"]      # once, as soon as warm-up (and mode auto) is over
+    assert config == first["best"]["config"] and FAST["warmup_steps"] <= at < 20
     assert_same(weights(model), weights(ref_model))
 
 
@@ -100,11 +110,15 @@ def test_bounds_errors_name_the_file_line_and_key(tmp_path):
 
 
 JOB = """
-import torch
+import autopatch, torch
 from training import batches, mlp, train
 torch.set_num_threads(1)
 model = mlp(width=32, depth=8)
-train(model, torch.optim.Adam(model.parameters(), lr=1e-2), batches(400, width=32, batch=16))
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+for i, batch in enumerate(batches(5000, width=32, batch=16)):
+    train(model, opt, [batch])
+    if i % 10 == 0 and autopatch.report()["autotune"]["phase"] == "frozen":
+        break
 """
 
 
@@ -125,7 +139,7 @@ def test_bagua_flags_give_the_csv_the_policy_keys_give(ap, tmp_path):
 
     ap.enable(str(policy_file), autotune={"max_samples": 5, "trial_seconds": 0.02, "warmup_seconds": 0.0,
                                           "log_csv": str(tmp_path / "keys.csv")})
-    job()
+    job(until_frozen=ap)
     key_rows = list(csv.reader((tmp_path / "keys.csv").open()))
     assert flag_rows[0] == key_rows[0] == ["mode", "chunk_size_2p", "score", "train_iter"]
     assert len(flag_rows) == len(key_rows) == 6
@@ -141,20 +155,24 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 
 
-def train():
+def train(steps):
     model = torch.nn.parallel.DistributedDataParallel(mlp(width=32, depth=8))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for x, y in batches(400, width=32, batch=16, seed=1 + rank):
+    for i, (x, y) in enumerate(batches(steps, width=32, batch=16, seed=1 + rank)):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    return digest(model.module)
+        # every rank sees the freeze at the same step: all stop together
+        if autopatch.is_enabled() and i % 10 == 0 and autopatch.report()["autotune"]["phase"] == "frozen":
+            return i + 1, digest(model.module)
+    return steps, digest(model.module)
 
 
-unpatched = train()
 autopatch.enable("autotune", fusion={"mode": "multi_layer"}, autotune=json.loads(sys.argv[2]))
-patched = train()
+steps, patched = train(5000)
 rep = autopatch.report()["autotune"]
+autopatch.disable()
+_, unpatched = train(steps)
 json.dump({"applied": rep["applied"], "trials": len(rep.get("trials", [])), "phase": rep["phase"],
            "digest": patched, "unpatched": unpatched}, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
 dist.destroy_process_group()

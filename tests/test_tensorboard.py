@@ -35,7 +35,7 @@ def logdir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tb")
     (tmp / "fast.yaml").write_text(FAST_YAML)
     logs = tmp / "logs"
-    out = run_python([ROOT / "examples" / "train_autotune.py", "--steps", "300", "--width", "32",
+    out = run_python([ROOT / "examples" / "train_autotune.py", "--steps", "600", "--width", "32",
                       "--depth", "8", "--threads", "1"],
                      env=clean_env(FUSEDOPT_ENABLE=1, FUSEDOPT_POLICY=tmp / "fast.yaml", FUSEDOPT_LOGDIR=logs,
                                    FUSEDOPT_REPORT=tmp / "report.json"))
