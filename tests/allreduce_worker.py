@@ -141,6 +141,8 @@ def equivalence():
         res[compression] = job(on(compression=compression))
 
     res["multi_layer"] = job({"mode": "multi_layer", "allreduce": {"enabled": True}}, optimizer="adam")
+    for mode in ("forward", "backward"):
+        res[mode] = job({"mode": mode, "allreduce": {"enabled": True}}, optimizer="adam")
 
     for nodes, group_rank, local in (("2x1", RANK, 1), ("1x2", 0, 2)):   # as torchrun would set them
         os.environ.update(GROUP_RANK=str(group_rank), LOCAL_WORLD_SIZE=str(local))
