@@ -58,7 +58,7 @@ def batch(step, micro=0):
     return torch.randn(8, WIDTH, generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
-def job(enable=None, *, model=batchnorm_mlp, optimizer="sgd", steps=6, accumulate=1,
+def job(enable=None, *, model=batchnorm_mlp, optimizer="sgd", steps=4, accumulate=1,
         set_to_none=True, ddp_kwargs=None, on_step=None, prebuilt=None):
     """Train under DDP, with autopatch enabled by ``enable(**enable)`` when given."""
     if enable is not None and prebuilt is None:
@@ -120,9 +120,9 @@ def equivalence():
 
     def change_buckets(step, net):
         comm = autopatch._runtime.comm
-        if step == 1:
+        if step == 0:
             comm.set_bucket_bytes(1024)
-        elif step == 3:
+        elif step == 2:
             comm.set_bucket_bytes(8192)
     res["changing"] = job(on(bucket_bytes=25 * 2**20), on_step=change_buckets)
     res["bucket_size_2p"] = job(on(bucket_size_2p=10))
@@ -141,8 +141,9 @@ def equivalence():
         res[compression] = job(on(compression=compression))
 
     res["multi_layer"] = job({"mode": "multi_layer", "allreduce": {"enabled": True}}, optimizer="adam")
-    for mode in ("forward", "backward"):
-        res[mode] = job({"mode": mode, "allreduce": {"enabled": True}}, optimizer="adam")
+    res["ddp_adam_6"] = job(optimizer="adam", steps=6)
+    for mode in ("forward", "backward"):    # these modes start after watching 3 steps
+        res[mode] = job({"mode": mode, "allreduce": {"enabled": True}}, optimizer="adam", steps=6)
 
     for nodes, group_rank, local in (("2x1", RANK, 1), ("1x2", 0, 2)):   # as torchrun would set them
         os.environ.update(GROUP_RANK=str(group_rank), LOCAL_WORLD_SIZE=str(local))
@@ -150,11 +151,11 @@ def equivalence():
         res[f"hierarchical_{nodes}_fp16"] = job(on(hierarchical=True, compression="fp16"))
 
     prebuilt = DDP(batchnorm_mlp())
-    res["adopted_then_disabled"] = job(on(bucket_bytes=1024), prebuilt=prebuilt, steps=3)
-    res["adopted_then_disabled"]["after"] = job(prebuilt=prebuilt, steps=3)
+    res["adopted_then_disabled"] = job(on(bucket_bytes=1024), prebuilt=prebuilt, steps=2)
+    res["adopted_then_disabled"]["after"] = job(prebuilt=prebuilt, steps=2)
     prebuilt = DDP(batchnorm_mlp())
-    res["ddp_3_then_3"] = job(prebuilt=prebuilt, steps=3)
-    res["ddp_3_then_3"]["after"] = job(prebuilt=prebuilt, steps=3)
+    res["ddp_2_then_2"] = job(prebuilt=prebuilt, steps=2)
+    res["ddp_2_then_2"]["after"] = job(prebuilt=prebuilt, steps=2)
     del prebuilt     # enable() adopts every live DDP model; keep the next reports to their own
 
     def register_hook(step, net):
@@ -204,7 +205,7 @@ def stall():
         if step == 1:
             stalled_at["time"] = time.perf_counter()
             if RANK == 1:
-                time.sleep(4)
+                time.sleep(3)
     res["stall"] = expect_error(lambda: job(on(timeout_seconds=1.5), model=plain_mlp, on_step=slow_rank_1))
     res["stall"]["seconds"] = time.perf_counter() - stalled_at["time"]
     return res

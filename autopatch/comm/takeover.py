@@ -74,7 +74,8 @@ class DDPTakeover:
                         "hierarchical": bool(hierarchical), "timeout_seconds": timeout_seconds}
         self.warn = warn
         self.ledger = Ledger()
-        self.reducers = weakref.WeakKeyDictionary()     # DDP model -> BucketedAllreduce
+        self.reducers = weakref.WeakKeyDictionary()     # DDP model -> BucketedAllreduce, while in charge
+        self.history = []      # per adopted model: its reducer, or once retired its last description
         self.left_to_ddp = []
 
     def install(self, distributed_module):
@@ -95,13 +96,25 @@ class DDPTakeover:
             if reason is None:
                 params, _ = ddp._build_params_for_reducer()
                 name_of = {id(p): n for n, p in ddp.module.named_parameters()}
-                self.reducers[ddp] = BucketedAllreduce(
+                reducer = BucketedAllreduce(
                     params, [name_of.get(id(p), "?") for p in params], ddp.process_group,
                     find_unused=ddp.find_unused_parameters, **self._options_for(ddp))
         except Exception as e:   # an optimisation must never stop the user's model from training
             reason = f"could not take over ({type(e).__name__}: {e})"
         if reason is not None:
             self._leave(ddp, reason)
+            return
+        self.reducers[ddp] = reducer
+        entry = {"model": type(ddp.module).__name__, "reducer": reducer}
+        self.history.append(entry)
+        weakref.finalize(ddp, self._retire, entry, "the model was freed")   # the report outlives it
+
+    def _retire(self, entry, why):
+        """Stop reducing for this model; keep only its description, not its buffers."""
+        reducer = entry.pop("reducer", None)
+        if reducer is not None:
+            reducer.remove()
+            entry.update(reducer.describe(), ended=why)
 
     def _options_for(self, ddp):
         """Hierarchical reduce groups ranks by node across the whole world, so it needs the world."""
@@ -117,7 +130,8 @@ class DDPTakeover:
     def hand_back(self, ddp, reason):
         reducer = self.reducers.pop(ddp, None)
         if reducer is not None:
-            reducer.remove()
+            entry = next(e for e in self.history if e.get("reducer") is reducer)
+            self._retire(entry, f"handed back to DDP: {reason}")
             self._leave(ddp, reason)
 
     # -- the wrappers ---------------------------------------------------------------------------
@@ -179,21 +193,25 @@ class DDPTakeover:
 
     # -- report and removal -------------------------------------------------------------------
     def describe(self):
-        models = [dict(model=type(ddp.module).__name__, **r.describe()) for ddp, r in self.reducers.items()]
-        if models:
-            reason = f"took over the gradient sync of {len(models)} DistributedDataParallel model(s)"
+        models = [dict(model=e["model"], **e["reducer"].describe()) if "reducer" in e else dict(e)
+                  for e in self.history]
+        in_charge = [m for m in models if not m.get("ended", "").startswith("handed back")]
+        if any("ended" not in m for m in models):
+            reason = f"averages the gradients of {sum('ended' not in m for m in models)} DDP model(s)"
+        elif in_charge:
+            reason = f"averaged the gradients of {len(in_charge)} DDP model(s) until {in_charge[-1]['ended']}"
         elif self.left_to_ddp:
             reason = f"DDP keeps its own gradient sync: {self.left_to_ddp[-1]['reason']}"
         else:
             reason = "no DistributedDataParallel model has been built"
         return {
-            "active": bool(models),
+            "active": bool(in_charge),
             "reason": reason,
             "bucket_bytes": self.bucket_bytes,
-            "buckets": sum(m["buckets"] for m in models),
+            "buckets": sum(m["buckets"] for m in in_charge),
             "compression": self.compression,
             "hierarchical": self.hierarchical,
-            "bytes_sent_per_step": sum(m["bytes_sent_per_step"] for m in models),
+            "bytes_sent_per_step": sum(m["bytes_sent_per_step"] for m in in_charge),
             "wait_seconds": round(sum(m["wait_seconds"] for m in models), 6),
             "models": models,
             "left_to_ddp": list(self.left_to_ddp),
@@ -201,6 +219,7 @@ class DDPTakeover:
 
     def remove(self):
         """Give every model back to DDP's own reducer and restore the DDP class."""
-        for reducer in self.reducers.values():
-            reducer.remove()
+        for entry in self.history:
+            self._retire(entry, "autopatch was disabled")
+        self.reducers.clear()
         self.ledger.uninstall()
