@@ -46,6 +46,11 @@ def _outer_step_running(opt):
     return False
 
 
+def _world_size():
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def qualified_name(cls):
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -105,6 +110,9 @@ class OptimizerController:
         fusion = self.policy.fusion
         if mode in ("backward", "forward") and raw_step_of(opt) is None:
             return "its step() is not wrapped by torch's Optimizer hooks"
+        if mode == "backward" and _world_size() > 1:
+            return (f"gradients are averaged across {_world_size()} processes after backward; "
+                    "an update inside backward would use the local gradient")
         if _matches(self.qualname, fusion.force) or not fusion.probe:
             return None
         for group in opt.param_groups:

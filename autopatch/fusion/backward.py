@@ -156,7 +156,10 @@ class BackwardFusion:
 
     def set_chunk_bytes(self, chunk_bytes):
         self.planner.chunk_bytes = int(chunk_bytes)
-        self.invalidate()
+        if self.armed:          # an inactive mode keeps no hooks: it re-plans when activated
+            self.invalidate()
+        else:
+            self.planner.dirty = True
 
     def describe(self):
         return dict(self.planner.layout(), chunk_updates_in_backward=self.in_backward,
