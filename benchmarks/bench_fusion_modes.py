@@ -1,0 +1,620 @@
+"""Whole training-step time and peak memory of every fusion mode, next to unpatched and torch's fused AdamW.
+
+Each contender trains in a process of its own, forked before any tensor work: global hooks of one
+mode (forward fusion's module pre-hook, mode auto's watch) can never slow another contender, and
+each process's peak memory is its own. The processes take turns: in every round each runs
+``--steps`` training steps while the others wait, the starting one rotating; medians over all
+rounds are quoted, and ratios are the median of per-round ratios against unpatched, so both sides
+of a ratio were measured minutes apart at most.
+
+A step is ``zero_grad(); loss = f(model(x)); loss.backward(); opt.step()``, timed per phase with
+``perf_counter``: forward (model and loss), backward, optimizer (``zero_grad`` plus ``step``).
+On a machine shared with other jobs, ``--clock cpu`` times the same phases in the training
+thread's CPU time instead (with one torch thread, every op and the CPU autograd engine run in that
+thread), which leaves out the time the process waited for a core.
+Where the update runs is the point of the fusion modes: in mode backward it is inside backward,
+in mode forward inside the next forward, so their "optimizer" bar shrinks and the others grow.
+
+Peak memory is the process's peak resident set (``VmHWM``) over steps after warm-up: each
+worker first returns freed heap to the system (``malloc_trim``) and resets the peak
+(``/proc/self/clear_refs``), so the number is the steady-state training peak, not one left over
+from start-up or from the multi_layer steps run while watching. The table's memory columns come
+from a second phase, fresh processes per contender with glibc's mmap threshold pinned (see
+``MEMORY_MMAP_THRESHOLD``), so they follow what the tensors need; the timing processes' own peak,
+under glibc's default behaviour, is shown beside it.
+
+Every autopatch contender must end with the same model and optimizer state as unpatched,
+``torch.equal`` on every tensor, or the run stops; the mode each one actually ran comes from
+``autopatch.report()``.
+
+    python benchmarks/bench_fusion_modes.py            # full run, 2 to 6 minutes
+    python benchmarks/bench_fusion_modes.py --quick    # smoke run, under a minute
+"""
+
+import argparse
+import ctypes
+import gc
+import multiprocessing
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import autopatch
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTENDERS = ["unpatched", "fused", "multi_layer", "backward", "forward", "auto"]
+AUTOPATCH_MODES = ("multi_layer", "backward", "forward", "auto")
+LABELS = {"unpatched": "unpatched (default)", "fused": "torch fused=True", "multi_layer": "multi_layer",
+          "backward": "backward", "forward": "forward", "auto": "auto"}
+PHASES = ("forward", "backward", "optimizer")
+
+
+# -- models -----------------------------------------------------------------------------------
+def _divisible(v, d=8):
+    """MobileNetV2's channel rounding: to a multiple of 8, never below 90% of ``v``."""
+    n = max(d, int(v + d / 2) // d * d)
+    return n + d if n < 0.9 * v else n
+
+
+class InvertedResidual(nn.Module):
+    """Expand (1x1), depthwise 3x3, project (1x1); a skip connection where shapes allow."""
+
+    def __init__(self, cin, cout, stride, expand):
+        super().__init__()
+        hidden = cin * expand
+        layers = []
+        if expand != 1:
+            layers += [nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True)]
+        layers += [nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
+                   nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True),
+                   nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout)]
+        self.conv = nn.Sequential(*layers)
+        self.skip = stride == 1 and cin == cout
+
+    def forward(self, x):
+        return x + self.conv(x) if self.skip else self.conv(x)
+
+
+# (expansion, channels, blocks, stride) of MobileNetV2 (Sandler et al., 2018, table 2).
+MOBILENET_V2 = [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
+                (6, 160, 3, 2), (6, 320, 1, 1)]
+
+
+def mobilenet_v2(width=0.35, classes=100):
+    """MobileNetV2 built here (no torchvision, no download); 158 parameter tensors at any width."""
+    cin, last = _divisible(32 * width), _divisible(1280 * max(1.0, width))
+    layers = [nn.Sequential(nn.Conv2d(3, cin, 3, 2, 1, bias=False), nn.BatchNorm2d(cin), nn.ReLU6(inplace=True))]
+    for t, c, n, s in MOBILENET_V2:
+        cout = _divisible(c * width)
+        for i in range(n):
+            layers.append(InvertedResidual(cin, cout, s if i == 0 else 1, t))
+            cin = cout
+    layers.append(nn.Sequential(nn.Conv2d(cin, last, 1, bias=False), nn.BatchNorm2d(last), nn.ReLU6(inplace=True)))
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(last, classes))
+
+
+class Block(nn.Module):
+    """Residual and normalised, so a deep narrow stack keeps its gradients clear of denormals."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.fc(torch.relu(self.norm(x)))
+
+
+def square_loss(out, _):
+    return out.square().mean()
+
+
+def cross_entropy(out, y):
+    return nn.functional.cross_entropy(out, y)
+
+
+def w_mobilenet():
+    return mobilenet_v2(), (torch.randn(8, 3, 64, 64), torch.randint(0, 100, (8,))), cross_entropy
+
+
+def w_transformer():
+    layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+    return model, (torch.randn(8, 32, 128), None), square_loss
+
+
+def w_many_small():
+    return nn.Sequential(*[Block(64) for _ in range(100)]), (torch.randn(32, 64), None), square_loss
+
+
+def w_wide_mlp():
+    layers = [m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.ReLU())]
+    return nn.Sequential(*layers), (torch.randn(8, 1024), None), square_loss
+
+
+# key -> (title, builder, optimizer)
+WORKLOADS = {
+    "mobilenet": ("MobileNetV2 x0.35, 64x64, batch 8", w_mobilenet, "AdamW"),
+    "transformer": ("TransformerEncoder 4 x d128, batch 8 x 32", w_transformer, "AdamW"),
+    "many_small": ("100 residual blocks, width 64, batch 32", w_many_small, "BertAdam"),
+    "wide_mlp": ("8 x Linear 1024x1024, batch 8 (memory)", w_wide_mlp, "AdamW"),
+}
+
+
+# -- optimizers -------------------------------------------------------------------------------
+class BertAdam(torch.optim.Optimizer):
+    """A hand-written Adam with decoupled weight decay, in the style of BERT's optimizer:
+    plain tensor ops in a Python loop, state created lazily, no bias correction."""
+
+    def __init__(self, params, lr=1e-3, b1=0.9, b2=0.999, e=1e-6, weight_decay=0.01):
+        super().__init__(params, dict(lr=lr, b1=b1, b2=b2, e=e, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["next_m"] = torch.zeros_like(p)
+                    state["next_v"] = torch.zeros_like(p)
+                m, v = state["next_m"], state["next_v"]
+                m.mul_(group["b1"]).add_(p.grad, alpha=1 - group["b1"])
+                v.mul_(group["b2"]).addcmul_(p.grad, p.grad, value=1 - group["b2"])
+                update = m / (v.sqrt() + group["e"])
+                if group["weight_decay"] > 0.0:
+                    update += group["weight_decay"] * p
+                p.add_(update, alpha=-group["lr"])
+        return loss
+
+
+def make_optimizer(name, params, contender):
+    if name == "BertAdam":
+        return BertAdam(params)
+    return torch.optim.AdamW(params, fused=True) if contender == "fused" else torch.optim.AdamW(params)
+
+
+def available(workload, contender):
+    """None, or why this contender has no entry for the workload."""
+    if contender == "fused" and WORKLOADS[workload][2] != "AdamW":
+        return "the hand-written optimizer has no fused kernel"
+    return None
+
+
+# -- memory -----------------------------------------------------------------------------------
+# glibc raises its mmap threshold as large blocks are freed and then keeps later ones in the
+# heap, so a process's resident size depends on its allocation history. The memory phase pins the
+# threshold: every tensor of 64 KiB or more gets its own mapping, returned to the system when freed,
+# and the resident size follows the memory the tensors need.
+M_MMAP_THRESHOLD = -3
+MEMORY_MMAP_THRESHOLD = 64 << 10
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak_memory():
+    """Start a fresh peak: hand freed heap back to the system, then reset the kernel's high-water
+    mark. Returns False where that is not possible (then the peak is the process's lifetime one)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory_bytes(reset_ok):
+    if reset_ok:
+        return _status_kib("VmHWM") * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# -- one contender, in its own process ----------------------------------------------------------
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def train_steps(model, opt, batch, loss_fn, n, timed, clock=time.perf_counter):
+    x, y = batch
+    for _ in range(n):
+        t0 = clock()
+        opt.zero_grad()
+        t1 = clock()
+        loss = loss_fn(model(x), y)
+        t2 = clock()
+        loss.backward()
+        t3 = clock()
+        opt.step()
+        t4 = clock()
+        timed.append((t2 - t1, t3 - t2, (t1 - t0) + (t4 - t3)))
+
+
+def worker(conn, workload, contender, opts):
+    """Build, warm up, then run rounds on request; at the end report the peak memory and (when
+    given a path) save the final state for the check."""
+    try:
+        if opts["mmap_threshold"]:
+            ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, opts["mmap_threshold"])
+        warnings.filterwarnings("ignore")
+        torch.set_num_threads(opts["threads"])
+        torch.manual_seed(0)
+        _, build, opt_name = WORKLOADS[workload]
+        model, batch, loss_fn = build()
+        patched = contender in AUTOPATCH_MODES
+        if patched:
+            autopatch.enable(mode=contender, chunk_bytes=opts["chunk_bytes"],
+                             fusion={"observe_steps": opts["observe_steps"]})
+        opt = make_optimizer(opt_name, model.parameters(), contender)
+        train_steps(model, opt, batch, loss_fn, opts["warmup"], [])
+        params = list(model.parameters())
+        info = {"tensors": len(params), "grad_bytes": sum(p.numel() * p.element_size() for p in params)}
+        info["reset_ok"] = reset_peak_memory()
+        conn.send(info)
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "run":
+                timed = []
+                train_steps(model, opt, batch, loss_fn, arg, timed, CLOCKS[opts["clock"]])
+                conn.send(timed)
+                continue
+            out = {"peak_bytes": peak_memory_bytes(info["reset_ok"])}
+            if patched:
+                rep = autopatch.report()["optimizers"][0]
+                out.update(mode=rep["mode"], reason=rep["reason"])
+            if arg:
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, arg)
+            if patched:
+                autopatch.disable()
+            conn.send(out)
+            return
+    except BaseException:
+        conn.send({"error": traceback.format_exc()})
+
+
+class Contender:
+    def __init__(self, ctx, workload, contender, opts, state_path):
+        self.name, self.state_path = contender, state_path
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker, args=(child, workload, contender, opts), daemon=True)
+        self.proc.start()
+        self.rounds = []      # per round: list of (forward, backward, optimizer) seconds
+        self.info = {}
+
+    def receive(self):
+        msg = self.conn.recv()
+        if isinstance(msg, dict) and "error" in msg:
+            raise RuntimeError(f"contender {self.name} failed:\n{msg['error']}")
+        return msg
+
+    def steps(self):
+        return [s for r in self.rounds for s in r]
+
+
+def run_workload(ctx, key, args, tmp, memory=False):
+    """All contenders of one workload, taking turns; returns them with their timings and reports.
+
+    ``memory``: the memory phase instead, fresh processes with the mmap threshold pinned, warmed
+    up just past the watch, then a few steps each; only their peaks are used.
+    """
+    opts = dict(threads=args.threads, observe_steps=args.observe_steps, chunk_bytes=args.chunk_bytes,
+                clock=args.clock,
+                warmup=args.observe_steps + 1 if memory else args.warmup,
+                mmap_threshold=MEMORY_MMAP_THRESHOLD if memory else None)
+    rounds, steps = (1, args.memory_steps) if memory else (args.rounds, args.steps)
+    names = [c for c in CONTENDERS if available(key, c) is None]
+    procs = [Contender(ctx, key, c, opts, None if memory else os.path.join(tmp, f"{key}-{c}.pt"))
+             for c in names]
+    for p in procs:
+        p.info = p.receive()
+    for i in range(rounds):
+        for p in procs[i % len(procs):] + procs[:i % len(procs)]:
+            p.conn.send(("run", steps))
+            p.rounds.append(p.receive())
+    for p in procs:
+        p.conn.send(("finish", p.state_path))
+        p.info.update(p.receive())
+        p.proc.join()
+    return procs
+
+
+# -- checking and reporting -------------------------------------------------------------------
+def _flat_state(state):
+    """(name, tensor or value) pairs of a saved model + optimizer state; model entries first."""
+    out = [(f"model.{k}", v) for k, v in state["model"].items()]
+    for pid, st in state["optimizer"]["state"].items():
+        out += [(f"optimizer.state[{pid}].{k}", v) for k, v in st.items()]
+    return out
+
+
+def compare(ref_path, path):
+    """(equal bit for bit, largest absolute difference in the model's weights and buffers)."""
+    a, b = _flat_state(torch.load(ref_path)), _flat_state(torch.load(path))
+    assert [k for k, _ in a] == [k for k, _ in b], "state keys differ"
+    equal, worst = True, 0.0
+    for (key, va), (_, vb) in zip(a, b):
+        if not isinstance(va, torch.Tensor):
+            equal = equal and va == vb
+            continue
+        equal = equal and torch.equal(va, vb)
+        if key.startswith("model.") and va.is_floating_point() and va.numel():
+            worst = max(worst, (va.double() - vb.double()).abs().max().item())
+    return equal, worst
+
+
+def median_ms(values):
+    return 1e3 * statistics.median(values)
+
+
+def round_ratios(mine, theirs):
+    """Per round: this contender's median step over the other's, measured in the same round."""
+    return [statistics.median(sum(s) for s in m) / statistics.median(sum(s) for s in t)
+            for m, t in zip(mine, theirs)]
+
+
+def quartiles(values):
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return q[0], q[2]
+
+
+def summarise(key, procs, memory_procs):
+    """Per contender: medians, ratios against unpatched and multi_layer, memory, mode that ran."""
+    by = {p.name: p for p in procs}
+    ref = by["unpatched"]
+    peak = {p.name: p.info["peak_bytes"] / 2**20 for p in memory_procs}   # empty when skipped
+    rows = {}
+    for p in procs:
+        steps = p.steps()
+        ratios = round_ratios(p.rounds, ref.rounds)
+        equal, worst = compare(ref.state_path, p.state_path)
+        if p.name in AUTOPATCH_MODES and not equal:
+            raise AssertionError(f"{key}: autopatch {p.name} did not train like unpatched "
+                                 f"(largest weight difference {worst:.3g})")
+        rows[p.name] = {
+            "total": median_ms([sum(s) for s in steps]), "ratio": statistics.median(ratios),
+            "ratio_q": quartiles(ratios),
+            "vs_multi_layer": statistics.median(round_ratios(p.rounds, by["multi_layer"].rounds)),
+            **{ph: median_ms([s[i] for s in steps]) for i, ph in enumerate(PHASES)},
+            "peak_mb": peak.get(p.name),
+            "peak_delta_mb": peak[p.name] - peak["unpatched"] if peak else None,
+            "peak_delta_default_mb": (p.info["peak_bytes"] - ref.info["peak_bytes"]) / 2**20,
+            "equal": equal, "max_diff": worst, "mode": p.info.get("mode"), "reason": p.info.get("reason"),
+        }
+    return ref.info, rows
+
+
+def markdown(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def results_table(results):
+    header = ["workload", "contender", "mode that ran", "step ms", "vs unpatched (quartiles)",
+              "vs multi_layer", "forward ms", "backward ms", "optimizer ms", "peak RSS MiB",
+              "peak vs unpatched MiB", "same, glibc default MiB", "same as unpatched"]
+    rows = []
+    for key, (info, by_name) in results.items():
+        title, _, opt_name = WORKLOADS[key]
+        label = f"{title}; {opt_name}; {info['tensors']} tensors, grads {info['grad_bytes'] / 2**20:.1f} MiB"
+        for name in CONTENDERS:
+            why = available(key, name)
+            if why:
+                rows.append([label, LABELS[name], "n/a"] + [""] * 9 + [why])
+                continue
+            r = by_name[name]
+            same = "bitwise" if r["equal"] else f"no: model state differs by up to {r['max_diff']:.1e}"
+            lo, hi = r["ratio_q"]
+            rows.append([label, LABELS[name], r["mode"] or "-", f"{r['total']:.1f}",
+                         f"{r['ratio']:.2f} ({lo:.2f}-{hi:.2f})", f"{r['vs_multi_layer']:.2f}",
+                         f"{r['forward']:.1f}", f"{r['backward']:.1f}", f"{r['optimizer']:.1f}",
+                         "-" if r["peak_mb"] is None else f"{r['peak_mb']:.1f}",
+                         "-" if r["peak_delta_mb"] is None else f"{r['peak_delta_mb']:+.1f}",
+                         f"{r['peak_delta_default_mb']:+.1f}", same])
+            label = ""
+    return markdown(header, rows)
+
+
+# The issue's bars: auto's step-time ratio per workload, and where backward's memory is judged
+# (a model whose gradients are tens of MiB; on the small ones autopatch's own few MiB of code and
+# bookkeeping are as large as the gradients).
+TIME_TARGETS = {"transformer": 0.85, "many_small": 0.5}
+MEMORY_WORKLOAD = "wide_mlp"
+
+
+def memory_saving(info, by_name):
+    """(MiB by which backward's peak is below unpatched's, that as a share of the gradients),
+    from the memory phase, or from the timing processes when it was skipped."""
+    r = by_name["backward"]
+    saved = -(r["peak_delta_default_mb"] if r["peak_delta_mb"] is None else r["peak_delta_mb"])
+    return saved, saved * 2**20 / info["grad_bytes"]
+
+
+def targets(results):
+    lines = []
+
+    def line(text, ok, detail):
+        lines.append(f"- {text}: {'n/a' if ok is None else 'MET' if ok else 'NOT MET'} ({detail})")
+
+    for key, limit in TIME_TARGETS.items():
+        text = f"auto <= {limit}x unpatched step time on {key} ({WORKLOADS[key][2]})"
+        if key not in results:
+            line(text, None, "workload not run")
+            continue
+        by_name = results[key][1]
+        r, ref = by_name["auto"], by_name["unpatched"]
+        floor = (ref["forward"] + ref["backward"]) / ref["total"]
+        line(text, r["ratio"] <= limit,
+             f"{r['ratio']:.2f}x, auto ran {r['mode']}; unpatched forward + backward alone, i.e. an "
+             f"optimizer costing nothing, would be {floor:.2f}x")
+    for key in results:
+        saved, share = memory_saving(*results[key])
+        ran = results[key][1]["backward"]["mode"]
+        detail = (f"{saved:.1f} MiB below, {100 * share:.0f}% of the gradients" if saved >= 0 else
+                  f"{-saved:.1f} MiB above unpatched, {-share:.1f}x the gradients") + f"; ran {ran}"
+        if key == MEMORY_WORKLOAD:
+            line(f"backward peak memory below unpatched by most of the gradient size on {key}",
+                 share > 0.5, detail)
+        else:
+            lines.append(f"- (for information) backward peak memory on {key}: {detail}")
+    return "\n".join(lines)
+
+
+def plot(results, path, clock):
+    """Stacked bars of the median forward / backward / optimizer time, one panel per workload;
+    a dashed line marks the step time the issue asks of mode auto."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(results)
+    cols = 2 if len(keys) > 1 else 1
+    nrows = (len(keys) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(7.5 * cols, 4.4 * nrows + 0.8), squeeze=False)
+    colours = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868"}
+    for ax, key in zip(axes.flat, keys):
+        info, by_name = results[key]
+        names = [n for n in CONTENDERS if n in by_name]
+        ticks = [LABELS[n].replace(" (default)", "") +
+                 (f"\nran {by_name[n]['mode']}" if by_name[n]["mode"] not in (None, n) else "") for n in names]
+        bottom = [0.0] * len(names)
+        for ph in PHASES:
+            vals = [by_name[n][ph] for n in names]
+            ax.bar(range(len(names)), vals, bottom=bottom, color=colours[ph], label=f"{ph} (median)", width=0.65)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        for i, n in enumerate(names):
+            r = by_name[n]
+            ax.plot([i - 0.33, i + 0.33], [r["total"]] * 2, color="black", lw=1.2,
+                    label="whole step (median)" if i == 0 else None)
+            ax.text(i, max(bottom[i], r["total"]) * 1.02, f"{r['total']:.0f} ms\n{r['ratio']:.2f}x",
+                    ha="center", va="bottom", fontsize=8)
+        title, _, opt_name = WORKLOADS[key]
+        title = f"{title}; {opt_name}, {info['tensors']} tensors"
+        if key in TIME_TARGETS:
+            ax.axhline(TIME_TARGETS[key] * by_name["unpatched"]["total"], color="crimson", ls="--", lw=1,
+                       label="target for auto")
+            title += f"\ntarget for auto: {TIME_TARGETS[key]}x unpatched (dashed)"
+        ax.set_xticks(range(len(names)), ticks, fontsize=8)
+        ax.set_ylim(0, max(max(bottom), max(by_name[n]["total"] for n in names)) * 1.25)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("ms per training step")
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    handles = {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(handles.values(), handles.keys(), loc="upper center", ncol=len(handles), fontsize=9,
+               bbox_to_anchor=(0.5, 0.955), frameon=False)
+    measured = {"wall": "wall clock", "cpu": "CPU time of the training thread"}[clock]
+    fig.suptitle(f"Training-step time by phase, {measured} (ratios: median of per-round ratios to "
+                 f"unpatched)", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def autopatch_source():
+    """Where the autopatch under test lives, and its commit when that is a git checkout."""
+    where = Path(autopatch.__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "-C", str(where), "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
+    return f"autopatch from {where}" + (f" at {rev}" if rev else "")
+
+
+def machine():
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{os.cpu_count()} CPUs ({model}), load average {load}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 2 rounds of 1 step, short warm-up, no separate memory phase")
+    ap.add_argument("--rounds", type=int, help="rounds of turns (default 16, quick 2)")
+    ap.add_argument("--steps", type=int, help="steps per contender per round (default 3, quick 1)")
+    ap.add_argument("--memory-steps", type=int, default=3, help="steps measured in the memory phase")
+    ap.add_argument("--observe-steps", type=int, default=3, help="fusion.observe_steps (default 3)")
+    ap.add_argument("--warmup", type=int, help="untimed steps first (default observe steps + 3, quick + 1)")
+    ap.add_argument("--chunk-bytes", default="auto", type=lambda v: v if v == "auto" else int(v),
+                    help="fusion.chunk_bytes for the autopatch contenders (default auto)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per contender (default 1: on a shared machine a second "
+                         "thread waits on busy cores and the timings turn to noise)")
+    ap.add_argument("--clock", choices=CLOCKS, default="wall",
+                    help="wall: perf_counter; cpu: the training thread's CPU time, which leaves out "
+                         "time spent waiting for a core (one thread only)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
+    ap.add_argument("--plot", default=str(ROOT / "docs" / "fusion-modes.png"), help="PNG path ('' for none)")
+    args = ap.parse_args()
+    args.rounds = args.rounds or (2 if args.quick else 16)
+    args.steps = args.steps or (1 if args.quick else 3)
+    if args.warmup is None:
+        args.warmup = args.observe_steps + (1 if args.quick else 3)
+    keys = [k for k in args.workloads.split(",") if k]
+    unknown = set(keys) - set(WORKLOADS)
+    if unknown:
+        ap.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+
+    started = time.perf_counter()
+    ctx = multiprocessing.get_context("fork")
+    print(f"# bench_fusion_modes: {time.strftime('%Y-%m-%d %H:%M %Z')}, torch {torch.__version__}, "
+          f"python {platform.python_version()}, {machine()}")
+    print(f"# {autopatch_source()}; chunk_bytes {args.chunk_bytes}")
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu measures the calling thread only: use it with --threads 1")
+    print(f"# {args.threads} torch thread(s) per contender, {args.clock} clock, "
+          f"rounds {args.rounds} x steps {args.steps}, "
+          f"{args.warmup} warm-up steps (observe_steps {args.observe_steps})\n", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = {}
+        for key in keys:
+            procs[key] = (run_workload(ctx, key, args, tmp),
+                          [] if args.quick else run_workload(ctx, key, args, tmp, memory=True))
+            print(f"  {key} done ({time.perf_counter() - started:.0f} s)", flush=True)
+        # Tensor work in this process only now: no contender is forked after it.
+        results = {key: summarise(key, *procs[key]) for key in keys}
+
+    print()
+    print(results_table(results))
+    print("\nMode each autopatch contender ran, and why (autopatch.report()):")
+    for key, (_, by_name) in results.items():
+        for name in AUTOPATCH_MODES:
+            print(f"- {key} / {name}: {by_name[name]['mode']}: {by_name[name]['reason']}")
+    print("\nTargets:")
+    print(targets(results))
+    if args.plot:
+        plot(results, args.plot, args.clock)
+        print(f"\nPlot: {args.plot}")
+    print(f"All autopatch contenders ended bit-for-bit equal to unpatched (model and optimizer state). "
+          f"Total {time.perf_counter() - started:.0f} s; load average at the end "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
