@@ -73,7 +73,6 @@ class OptimizerController:
         self.step_seconds = 0.0
         self.params = self._count_params(opt)
         self.strategy = None
-        self.strategies = {}         # mode -> fusion object, kept so switching back is cheap
         self.owned_storages = set()  # flat buffers built for this optimizer, by any mode
         self.chunk_bytes = None
         self.bitwise = None
@@ -132,28 +131,28 @@ class OptimizerController:
             return "the probe found fused updates bit-for-bit equal to per-tensor updates"
         return "the probe found fused updates equal to per-tensor updates within float rounding"
 
-    def _strategy_for(self, opt, mode):
-        if mode not in self.strategies:
-            chunk = self.chunk_bytes or (default_chunk_bytes(opt) if self.policy.fusion.chunk_bytes == "auto"
-                                         else self.policy.fusion.chunk_bytes)
-            self.chunk_bytes = chunk
-            if mode == "multi_layer":
-                self.strategies[mode] = MultiLayerStep(opt, chunk, owned_storages=self.owned_storages,
-                                                       compile=self.policy.fusion.compile)
-            else:
-                cls = BackwardFusion if mode == "backward" else ForwardFusion
-                self.strategies[mode] = cls(opt, chunk, owned_storages=self.owned_storages)
-        return self.strategies[mode]
+    def _new_strategy(self, opt, mode):
+        if self.chunk_bytes is None:
+            chunk = self.policy.fusion.chunk_bytes
+            self.chunk_bytes = default_chunk_bytes(opt) if chunk == "auto" else chunk
+        if mode == "multi_layer":
+            return MultiLayerStep(opt, self.chunk_bytes, owned_storages=self.owned_storages,
+                                  compile=self.policy.fusion.compile)
+        cls = BackwardFusion if mode == "backward" else ForwardFusion
+        return cls(opt, self.chunk_bytes, owned_storages=self.owned_storages)
 
     def _activate(self, opt, mode, reason):
+        """Leave the current mode (applying anything pending) and build the next one. The old
+        one's buffers go with it; the params and the state stay where they lie and the next
+        mode's plan adopts them in place."""
         if self.strategy is not None:
             self.strategy.deactivate()
             self.runtime.forward_fusions.discard(self)
-        self.strategy = None if mode == "off" else self._strategy_for(opt, mode)
+        self.strategy = None if mode == "off" else self._new_strategy(opt, mode)
         if mode == "forward":
             self.runtime.enable_forward_fusion(self)
-        elif self.strategy is not None:
-            self.strategy.invalidate()    # per-parameter state may have moved while away
+        elif mode == "backward":
+            self.strategy.invalidate()    # arm the gradient hooks before the next backward
         self._settle(mode, reason)
 
     def _decide(self, opt):
@@ -210,8 +209,8 @@ class OptimizerController:
     def set_chunk_bytes(self, chunk_bytes):
         """Change the chunk size; flat buffers are re-planned before the next update."""
         self.chunk_bytes = int(chunk_bytes)
-        for strategy in self.strategies.values():
-            strategy.set_chunk_bytes(chunk_bytes)
+        if self.strategy is not None:
+            self.strategy.set_chunk_bytes(chunk_bytes)
 
     def flush(self):
         if self.strategy is not None:
@@ -274,7 +273,7 @@ class OptimizerController:
             self.strategy.deactivate()
             self.final_fusion = self.strategy.describe()
         # The report outlives disable(): keep its figures, not the optimizer and its buffers.
-        self.strategy, self.strategies = None, {}
+        self.strategy = None
         self.runtime.forward_fusions.discard(self)
         for h in self._handles:
             h.remove()

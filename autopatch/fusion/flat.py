@@ -93,14 +93,20 @@ class FlatRun:
         o = self.offsets[i]
         return flat[o:o + self.params[i].numel()].view(self.shapes[i])
 
-    def _flatten_params(self, dtype, device):
-        """Reuse the storage when the params already lie back to back in one buffer."""
-        first = self.params[0].data
-        base = first.untyped_storage()
-        start = first.storage_offset()
-        if all(p.untyped_storage().data_ptr() == base.data_ptr() and p.is_contiguous()
-               and p.storage_offset() == start + o for p, o in zip(self.params, self.offsets)):
+    def _back_to_back(self, tensors):
+        """A flat view over ``tensors`` when they already lie in order in one storage, else None."""
+        first = tensors[0]
+        base, start = first.untyped_storage(), first.storage_offset()
+        if all(t.untyped_storage().data_ptr() == base.data_ptr() and t.is_contiguous()
+               and t.storage_offset() == start + o for t, o in zip(tensors, self.offsets)):
             return first.new_empty(0).set_(base, start, (self.numel,), (1,))
+        return None
+
+    def _flatten_params(self, dtype, device):
+        """Reuse the storage when the params already lie back to back (an earlier plan's)."""
+        flat = self._back_to_back([p.data for p in self.params])
+        if flat is not None:
+            return flat
         flat = torch.empty(self.numel, dtype=dtype, device=device)
         for i, p in enumerate(self.params):
             self._view(flat, i).copy_(p.data)
@@ -109,15 +115,19 @@ class FlatRun:
         return flat
 
     def _adopt_state(self, states):
-        """Move existing per-parameter state (checkpoint, earlier steps) into flat buffers."""
+        """Move existing per-parameter state (checkpoint, earlier steps) into flat buffers;
+        state already back to back (an earlier plan's, another mode's) is used where it lies."""
         if not states:
             return
         for key, v in states[0].items():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
-                flat = self.flat_state[key] = torch.empty(self.numel, dtype=v.dtype, device=v.device)
-                for i, st in enumerate(states):
-                    self._view(flat, i).copy_(st[key])
-                    st[key] = self._view(flat, i)
+                flat = self._back_to_back([st[key] for st in states])
+                if flat is None:
+                    flat = torch.empty(self.numel, dtype=v.dtype, device=v.device)
+                    for i, st in enumerate(states):
+                        self._view(flat, i).copy_(st[key])
+                        st[key] = self._view(flat, i)
+                self.flat_state[key] = flat
                 for cs, (s, e) in zip(self.chunk_states, self.chunk_bounds):
                     cs[key] = flat[s:e]
             elif isinstance(v, torch.Tensor):
