@@ -26,7 +26,10 @@ from .fusion.probe import probe
 from .observe import Observation
 
 FUSION_MODES = ("multi_layer", "backward", "forward")
-AUTO_PREFERENCE = ("backward", "forward", "multi_layer")
+# Mode auto's order, fastest first. On CPU, updating inside backward or forward gains no cache
+# locality worth its per-chunk calls and hooks, and multi_layer measures fastest
+# (benchmarks/RESULTS.md, "Fusion modes"); on accelerators the paper's order applies.
+AUTO_ORDER = {"cpu": ("multi_layer",), "accelerator": ("backward", "forward", "multi_layer")}
 
 
 # The code of torch's per-class step wrapper: a subclass whose step() calls super().step() runs
@@ -168,13 +171,25 @@ class OptimizerController:
         if why:
             self._settle("off", f"left unfused: {why}")
             return
-        if requested == "multi_layer":
-            self._activate(opt, "multi_layer", self._probe_note())
+        if requested == "auto":
+            self.candidates = self._auto_order(opt)
+        else:
+            self.candidates = (requested, "multi_layer")
+        if self.candidates[0] == "multi_layer":
+            how = ("auto chose multi_layer, the fastest mode on CPU (fusion.auto_order); "
+                   if requested == "auto" else "")
+            self._activate(opt, "multi_layer", how + self._probe_note())
             return
-        self.candidates = AUTO_PREFERENCE if requested == "auto" else (requested, "multi_layer")
         n = self.policy.fusion.observe_steps
         self.observation = Observation(opt, n)
         self._activate(opt, "multi_layer", f"{requested}: multi_layer while watching the first {n} steps")
+
+    def _auto_order(self, opt):
+        order = self.policy.fusion.auto_order
+        if order != "auto":
+            return tuple(order[:order.index("multi_layer") + 1])
+        on_cpu = all(p.device.type == "cpu" for g in opt.param_groups for p in g["params"])
+        return AUTO_ORDER["cpu" if on_cpu else "accelerator"]
 
     def _conclude(self, opt):
         """After watching: the first candidate mode that cannot change results."""

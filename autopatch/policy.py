@@ -51,6 +51,7 @@ class Fusion:
     force: tuple = ()                  # class globs fused without the probe
     forbid: tuple = ()                 # class globs never fused
     observe_steps: int = 3             # mode auto: steps watched before choosing
+    auto_order: object = "auto"        # modes auto tries, fastest first; "auto": by device
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,17 @@ def _auto_bool(v):
     return _typed(bool)(v)
 
 
+def _auto_order(v):
+    if v == "auto":
+        return v
+    v = _globs(v)
+    for mode in v:
+        _choice(("multi_layer", "backward", "forward"))(mode)
+    if "multi_layer" not in v:
+        raise ValueError("must include multi_layer, the mode that is always safe")
+    return v
+
+
 def _knobs(v):
     v = _globs(v)
     for k in v:
@@ -229,7 +241,7 @@ _CHECKS = {
     "optimizers.include": _globs, "optimizers.exclude": _globs,
     "fusion.mode": _mode, "fusion.chunk_bytes": _chunk, "fusion.compile": _typed(bool),
     "fusion.probe": _typed(bool), "fusion.force": _globs, "fusion.forbid": _globs,
-    "fusion.observe_steps": _typed(int, 1, 1000),
+    "fusion.observe_steps": _typed(int, 1, 1000), "fusion.auto_order": _auto_order,
     "allreduce.enabled": _auto_bool, "allreduce.bucket_bytes": _size,
     "allreduce.compression": _choice(COMPRESSIONS), "allreduce.hierarchical": _typed(bool),
     "allreduce.bucket_size_2p": lambda v: 2 ** _typed(int, 10, 31)(v),

@@ -16,6 +16,8 @@ import autopatch
 from training import assert_same, assert_state_equal, batches, mlp, weights
 
 MODES = ["multi_layer", "backward", "forward", "auto"]
+# Mode auto's order on accelerators; on CPU it is multi_layer alone, which needs no watching.
+ORDER = ["backward", "forward", "multi_layer"]
 
 
 def loss_of(model, x, y):
@@ -165,7 +167,7 @@ def run(scenario, mode=None, steps=10):
     make_model, loop = SCENARIOS[scenario]
     model = make_model()
     if mode:
-        autopatch.enable(mode=mode, chunk_bytes=2048, fusion={"observe_steps": 2})
+        autopatch.enable(mode=mode, chunk_bytes=2048, fusion={"observe_steps": 2, "auto_order": ORDER})
     try:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
@@ -260,7 +262,7 @@ def test_checkpoint_resume_mid_training(mode):
     def go(patched):
         model = mlp()
         if patched:
-            autopatch.enable(mode=mode, chunk_bytes=2048, fusion={"observe_steps": 2})
+            autopatch.enable(mode=mode, chunk_bytes=2048, fusion={"observe_steps": 2, "auto_order": ORDER})
         try:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             sched = torch.optim.lr_scheduler.StepLR(opt, 3)
@@ -311,3 +313,18 @@ def test_switching_modes_every_few_steps():
     assert_same(ref_losses, losses)
     assert_same(weights(model_ref), weights(model))
     assert_state_equal(opt_ref.state_dict(), opt.state_dict())
+
+
+def test_auto_on_cpu_takes_multi_layer_at_once():
+    got = run("plain", None)
+    model = mlp()
+    autopatch.enable(mode="auto")
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = plain(model, opt, batches(10), torch.optim.lr_scheduler.StepLR(opt, 3, gamma=0.5))
+        entry = stepped(autopatch.report())
+    finally:
+        autopatch.disable()
+    assert entry["mode"] == "multi_layer" and "fastest mode on CPU" in entry["reason"]
+    assert entry["fusion"]["fused_steps"] == 10      # no steps spent watching
+    assert_same(got[0], losses)
