@@ -142,10 +142,10 @@ class MultiLayerStep:
                 present = sum(g is not None for g in grads)
                 if present == len(grads) and not any(g.is_sparse for g in grads):
                     fused.append(run)
-                    for g, gv in zip(grads, run.grad_views):
-                        if g.data_ptr() != gv.data_ptr():
-                            copies_dst.append(gv)
-                            copies_src.append(g)
+                    # grads rebound to flat views last step (set_to_none=False) need no copy
+                    pairs = [(gv, g) for g, gv in zip(grads, run.grad_views) if g is not gv]
+                    copies_dst += [gv for gv, _ in pairs]
+                    copies_src += [g for _, g in pairs]
                     continue
                 unfused += run.params
                 if present:
