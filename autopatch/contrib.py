@@ -20,7 +20,7 @@ import torch
 import autopatch
 from .fusion.chunking import default_chunk_bytes
 from .fusion.flat import FlatRun, state_signature
-from .fusion.multi_layer import MultiLayerStep, _GroupPlan
+from .fusion.multi_layer import MultiLayerStep, _GroupPlan, unfusable_param
 from .fusion.probe import probe
 
 __all__ = ["fuse_optimizer", "fuse_step", "is_fused_optimizer"]
@@ -193,7 +193,7 @@ class _FlatStep(MultiLayerStep):
         for gi, group in enumerate(groups):
             candidates = []
             for p in group["params"]:
-                why = why_not.get(id(p)) or _not_fusable(p)
+                why = why_not.get(id(p)) or unfusable_param(p)
                 sig = None if why else state_signature(p, self.opt.state.get(p, {}))
                 if why is None and sig is None:
                     why = "optimizer state is not elementwise"
@@ -204,18 +204,6 @@ class _FlatStep(MultiLayerStep):
             runs += [(ptr, gi, run) for ptr, run in _back_to_back(candidates)
                      if len(run) > 1 and ptr not in shared]
         return runs, why_not
-
-
-def _not_fusable(p):
-    if p.numel() == 0:
-        return "empty parameter"
-    if not p.requires_grad:
-        return "frozen (requires_grad=False)"
-    if p.is_sparse or not p.dtype.is_floating_point:
-        return "sparse or non-floating parameter"
-    if type(p) not in (torch.nn.Parameter, torch.Tensor):
-        return f"tensor subclass {type(p).__name__}"
-    return None
 
 
 def _overlapping(groups):

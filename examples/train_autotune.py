@@ -17,12 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-
-def build_model(width, depth):
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.LayerNorm(width), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
+from train_mlp import build_model   # the same model as the main example
 
 
 def main():

@@ -6,6 +6,7 @@ state bit for bit. Where a mode would change results the run must not use it: th
 which mode ran and why.
 """
 
+import contextlib
 import io
 
 import pytest
@@ -197,14 +198,23 @@ def test_mode_matches_unpatched(scenario, mode):
     assert entry["reason"]
 
 
-def test_backward_mode_frees_grads_and_updates_inside_backward():
+@contextlib.contextmanager
+def settled_in(mode):
+    """A model and its optimizer two steps in, past the one step ``mode`` watches first."""
     model = mlp()
-    autopatch.enable(mode="backward", chunk_bytes=2048, fusion={"observe_steps": 1})
+    autopatch.enable(mode=mode, chunk_bytes=2048, fusion={"observe_steps": 1})
     try:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         data = batches(4)
         plain(model, opt, data[:2], torch.optim.lr_scheduler.StepLR(opt, 3))
-        x, y = data[2]
+        assert stepped(autopatch.report())["mode"] == mode
+        yield model, opt, data[2]
+    finally:
+        autopatch.disable()
+
+
+def test_backward_mode_frees_grads_and_updates_inside_backward():
+    with settled_in("backward") as (model, opt, (x, y)):
         opt.zero_grad()
         before = weights(model)
         loss_of(model, x, y).backward()
@@ -212,37 +222,18 @@ def test_backward_mode_frees_grads_and_updates_inside_backward():
         assert all(p.grad is None for p in model.parameters())
         assert not all(torch.equal(a, b) for a, b in zip(before, weights(model)))
         opt.step()
-        fusion = stepped(autopatch.report())["fusion"]
-        assert fusion["chunk_updates_in_backward"] > 0
-    finally:
-        autopatch.disable()
+        assert stepped(autopatch.report())["fusion"]["chunk_updates_in_backward"] > 0
 
 
 def test_backward_mode_rejects_accumulation_appearing_later():
-    model = mlp()
-    autopatch.enable(mode="backward", chunk_bytes=2048, fusion={"observe_steps": 1})
-    try:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        data = batches(4)
-        plain(model, opt, data[:2], torch.optim.lr_scheduler.StepLR(opt, 3))
-        assert stepped(autopatch.report())["mode"] == "backward"
-        x, y = data[2]
+    with settled_in("backward") as (model, opt, (x, y)):
         loss_of(model, x, y).backward()
         with pytest.raises(RuntimeError, match="second gradient before optimizer.step"):
             loss_of(model, x, y).backward()
-    finally:
-        autopatch.disable()
 
 
 def test_forward_mode_defers_until_the_module_runs_and_flushes_before_save():
-    model = mlp()
-    autopatch.enable(mode="forward", chunk_bytes=2048, fusion={"observe_steps": 1})
-    try:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        data = batches(4)
-        plain(model, opt, data[:2], torch.optim.lr_scheduler.StepLR(opt, 3))
-        assert stepped(autopatch.report())["mode"] == "forward"
-        x, y = data[2]
+    with settled_in("forward") as (model, opt, (x, y)):
         opt.zero_grad()
         loss_of(model, x, y).backward()
         before = weights(model)
@@ -251,8 +242,6 @@ def test_forward_mode_defers_until_the_module_runs_and_flushes_before_save():
         buf = io.BytesIO()
         torch.save(model.state_dict(), buf)                                      # flushes
         assert not all(torch.equal(a, b) for a, b in zip(before, weights(model)))
-    finally:
-        autopatch.disable()
 
 
 @pytest.mark.parametrize("mode", ["backward", "forward", "auto"])

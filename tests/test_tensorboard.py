@@ -12,21 +12,10 @@ import urllib.request
 import pytest
 
 from conftest import ROOT, clean_env, run_python
+from test_autotune import FAST_YAML
 
 pytest.importorskip("bayes_opt")
 pytest.importorskip("tensorboard")
-
-FAST_YAML = """
-version: 1
-autotune:
-  enabled: true
-  knobs: [mode, chunk_size_2p]
-  warmup_steps: 3
-  trial_seconds: 0.02
-  windows: 3
-  max_samples: 6
-  bounds: {chunk_size_2p: [8, 14]}
-"""
 
 
 @pytest.fixture(scope="module")

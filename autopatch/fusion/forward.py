@@ -15,7 +15,7 @@ call, an EMA update right after ``step()``) would be stale: mode ``auto`` checks
 import torch
 
 from .chunk_step import hyperparameters, raw_step_of, step_chunks
-from .multi_layer import MultiLayerStep
+from .multi_layer import MultiLayerStep, split_by_grads
 
 
 class ForwardFusion:
@@ -44,19 +44,13 @@ class ForwardFusion:
             self.planner.plan()
         dst, src = [], []
         for gi, (plan, group) in enumerate(zip(self.planner.plans, self.opt.param_groups)):
-            deferred, now = [], []
-            for run in plan.runs:
-                grads = [p.grad for p in run.params]
-                present = sum(g is not None for g in grads)
-                if present == len(grads) and not any(g.is_sparse for g in grads):
-                    deferred.append(run)
-                    dst += run.grad_views
-                    src += grads
-                else:   # no grad at all: skipped as unpatched; some: step per tensor now
-                    now += run.params
-                    if present:
-                        self.planner.dirty = True
-                        self.fallback_steps += 1
+            deferred, now, partial = split_by_grads(plan.runs)
+            for run in deferred:
+                dst += run.grad_views
+                src += [p.grad for p in run.params]
+            if partial:
+                self.planner.dirty = True
+                self.fallback_steps += partial
             if not deferred:
                 continue
             self.hparams[gi] = hyperparameters(group)

@@ -18,6 +18,35 @@ class NotFusable(RuntimeError):
     """The optimizer's state after a fused step has no per-parameter form."""
 
 
+def unfusable_param(p):
+    """Why a parameter can never live in a flat run, or None."""
+    if p.numel() == 0:
+        return "empty parameter"
+    if not p.requires_grad:
+        return "frozen (requires_grad=False)"
+    if p.is_sparse or not p.dtype.is_floating_point:
+        return "sparse or non-floating parameter"
+    if type(p) not in (torch.nn.Parameter, torch.Tensor):
+        return f"tensor subclass {type(p).__name__}"
+    return None
+
+
+def split_by_grads(runs):
+    """This step's runs whose params all have dense grads (they fuse), the params of the other
+    runs (they step per tensor, as unpatched: the optimizer skips those without a grad), and how
+    many of those had only some grads (their state now moves apart: re-plan)."""
+    ready, unfused, partial = [], [], 0
+    for run in runs:
+        grads = [p.grad for p in run.params]
+        present = sum(g is not None for g in grads)
+        if present == len(grads) and not any(g.is_sparse for g in grads):
+            ready.append(run)
+        else:
+            unfused += run.params
+            partial += present > 0
+    return ready, unfused, partial
+
+
 class _GroupPlan:
     def __init__(self, group):
         self.original = group["params"]
@@ -103,12 +132,9 @@ class MultiLayerStep:
         self.replans += 1
 
     def _eligible_with(self, p, storage_users):
-        if not p.requires_grad:
-            return "frozen (requires_grad=False)"
-        if p.is_sparse or not p.dtype.is_floating_point:
-            return "sparse or non-floating parameter"
-        if type(p) not in (torch.nn.Parameter, torch.Tensor):
-            return f"tensor subclass {type(p).__name__}"
+        why = unfusable_param(p)
+        if why:
+            return why
         st = p.untyped_storage()
         ptr = st.data_ptr()
         if ptr in self.owned:
@@ -136,23 +162,16 @@ class MultiLayerStep:
         for plan, group in zip(self.plans, self.opt.param_groups):
             if not plan.runs:
                 continue
-            fused, unfused = [], []
-            for run in plan.runs:
-                grads = [p.grad for p in run.params]
-                present = sum(g is not None for g in grads)
-                if present == len(grads) and not any(g.is_sparse for g in grads):
-                    fused.append(run)
-                    # grads rebound to flat views last step (set_to_none=False) need no copy
-                    pairs = [(gv, g) for g, gv in zip(grads, run.grad_views) if g is not gv]
-                    copies_dst += [gv for gv, _ in pairs]
-                    copies_src += [g for _, g in pairs]
-                    continue
-                unfused += run.params
-                if present:
-                    self.dirty = True
-                    self.fallback_steps += 1
-                    self.last_fallback = ("some parameters of a run had no gradient" if present < len(grads)
-                                          else "sparse gradient")
+            fused, unfused, partial = split_by_grads(plan.runs)
+            for run in fused:
+                # grads rebound to flat views last step (set_to_none=False) need no copy
+                pairs = [(gv, p.grad) for p, gv in zip(run.params, run.grad_views) if p.grad is not gv]
+                copies_dst += [gv for gv, _ in pairs]
+                copies_src += [g for _, g in pairs]
+            if partial:
+                self.dirty = True
+                self.fallback_steps += partial
+                self.last_fallback = "some parameters of a run had no gradient, or a sparse one"
             if not fused:
                 continue
             group["params"] = [c for run in fused for c in run.chunks] + unfused + plan.rest
