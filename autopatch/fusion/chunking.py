@@ -1,5 +1,9 @@
-"""The automatic chunk size: big enough to amortise per-op overhead, small enough that one
-chunk's param, grad and state stay in the CPU's L2 cache while the update streams over it."""
+"""The automatic chunk size on CPU: one L2 cache's worth of parameters.
+
+Small chunks pay per-op overhead many times over; one huge chunk streams every elementwise pass
+of the update through main memory. The chunk-size sweep in benchmarks/RESULTS.md ("Multi-layer
+fused step") found the L2 size (2 MiB there) within a few percent of the best on both a
+many-small-tensors model and a few-large-tensors one, where 256 KiB was 1.2x slower on both."""
 
 from pathlib import Path
 
@@ -26,4 +30,4 @@ def default_chunk_bytes(opt):
             if p.device.type != "cpu":
                 return GPU_CHUNK
             break
-    return max(64 << 10, l2_bytes() // 8)
+    return max(256 << 10, l2_bytes())
