@@ -10,7 +10,6 @@ Every fusion mode is an object with the same small protocol (``before_step(closu
 activates another over the same per-parameter optimizer state, so a switch never changes results.
 """
 
-import fnmatch
 import sys
 import time
 import weakref
@@ -24,6 +23,7 @@ from .fusion.forward import ForwardFusion
 from .fusion.multi_layer import MultiLayerStep
 from .fusion.probe import probe
 from .observe import Observation
+from .policy import class_matches
 
 FUSION_MODES = ("multi_layer", "backward", "forward")
 # Mode auto's order, fastest first. On CPU, updating inside backward or forward gains no cache
@@ -56,11 +56,6 @@ def _world_size():
 
 def qualified_name(cls):
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _matches(qualname, globs):
-    short = qualname.rsplit(".", 1)[-1]
-    return any(fnmatch.fnmatchcase(qualname, g) or fnmatch.fnmatchcase(short, g) for g in globs)
 
 
 class OptimizerController:
@@ -96,7 +91,7 @@ class OptimizerController:
             self._settle("off", "not selected by the policy's optimizers.include/exclude")
         elif fusion.mode == "off":
             self._settle("off", "policy sets fusion.mode: off")
-        elif _matches(self.qualname, fusion.forbid):
+        elif class_matches(self.qualname, fusion.forbid):
             self._settle("off", "class matches fusion.forbid in the policy")
 
     @staticmethod
@@ -115,7 +110,7 @@ class OptimizerController:
         if mode == "backward" and _world_size() > 1:
             return (f"gradients are averaged across {_world_size()} processes after backward; "
                     "an update inside backward would use the local gradient")
-        if _matches(self.qualname, fusion.force) or not fusion.probe:
+        if class_matches(self.qualname, fusion.force) or not fusion.probe:
             return None
         for group in opt.param_groups:
             result = probe(opt, group, split=mode != "multi_layer")
@@ -128,7 +123,7 @@ class OptimizerController:
         if self.policy.fusion.compile:
             return ("multi_layer steps run through torch.compile: equal to per-tensor updates within "
                     "float rounding (the compiler may fuse arithmetic); backward/forward stay eager")
-        if _matches(self.qualname, self.policy.fusion.force) or not self.policy.fusion.probe:
+        if class_matches(self.qualname, self.policy.fusion.force) or not self.policy.fusion.probe:
             return "fused without the probe (fusion.force / fusion.probe: false)"
         if self.bitwise:
             return "the probe found fused updates bit-for-bit equal to per-tensor updates"

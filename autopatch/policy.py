@@ -26,6 +26,12 @@ DEFAULT_BOUNDS = {"mode": ("off", "multi_layer", "backward", "forward"), "chunk_
                   "compression": COMPRESSIONS, "compile": (False, True)}
 
 
+def class_matches(qualname, globs):
+    """Class-name globs (include/exclude, force/forbid) match the qualified or the bare name."""
+    short = qualname.rsplit(".", 1)[-1]
+    return any(fnmatch.fnmatchcase(qualname, g) or fnmatch.fnmatchcase(short, g) for g in globs)
+
+
 class PolicyError(ValueError):
     """An invalid policy: the message names the file, the line and the key."""
 
@@ -36,10 +42,7 @@ class Optimizers:
     exclude: tuple = ()
 
     def selects(self, qualname):
-        """Class-name globs match the qualified name or the bare class name."""
-        short = qualname.rsplit(".", 1)[-1]
-        hit = lambda pats: any(fnmatch.fnmatchcase(qualname, p) or fnmatch.fnmatchcase(short, p) for p in pats)
-        return hit(self.include) and not hit(self.exclude)
+        return class_matches(qualname, self.include) and not class_matches(qualname, self.exclude)
 
 
 @dataclass(frozen=True)

@@ -25,29 +25,26 @@ def loss_of(model, x, y):
     return nn.functional.cross_entropy(model(x), y)
 
 
-def plain(model, opt, data, sched):
+def plain(model, opt, data, sched, before_step=None, after_step=None):
+    """The usual loop; ``before_step``/``after_step`` run user code around ``opt.step()``."""
     out = []
     for x, y in data:
         opt.zero_grad()
         loss = loss_of(model, x, y)
         loss.backward()
+        if before_step:
+            before_step()
         opt.step()
+        if after_step:
+            after_step()
         sched.step()
         out.append(loss.item())
     return out
 
 
 def clipping(model, opt, data, sched):
-    out = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = loss_of(model, x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        opt.step()
-        sched.step()
-        out.append(loss.item())
-    return out
+    return plain(model, opt, data, sched,
+                 before_step=lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
 
 
 def grad_scaler(model, opt, data, sched):
@@ -96,18 +93,12 @@ def closure(model, opt, data, sched):
 def ema_after_step(model, opt, data, sched):
     """Reads every weight right after step(), as an EMA of the weights does."""
     ema = [p.detach().clone() for p in model.parameters()]
-    out = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = loss_of(model, x, y)
-        loss.backward()
-        opt.step()
-        with torch.no_grad():
-            for e, p in zip(ema, model.parameters()):
-                e.mul_(0.9).add_(p, alpha=0.1)
-        sched.step()
-        out.append(loss.item())
-    return out + [e.sum().item() for e in ema]
+
+    @torch.no_grad()
+    def update_ema():
+        for e, p in zip(ema, model.parameters()):
+            e.mul_(0.9).add_(p, alpha=0.1)
+    return plain(model, opt, data, sched, after_step=update_ema) + [e.sum().item() for e in ema]
 
 
 class Shared(nn.Module):
