@@ -107,9 +107,10 @@ class OptimizerController:
         fusion = self.policy.fusion
         if mode in ("backward", "forward") and raw_step_of(opt) is None:
             return "its step() is not wrapped by torch's Optimizer hooks"
-        if mode == "backward" and _world_size() > 1:
-            return (f"gradients are averaged across {_world_size()} processes after backward; "
-                    "an update inside backward would use the local gradient")
+        if mode == "backward" and _world_size() > 1 and self._averaged_by(opt) is None:
+            return (f"gradients are averaged across {_world_size()} processes, not all of them by "
+                    "autopatch's allreduce (allreduce off, or left to DDP: see the allreduce "
+                    "section); an update inside backward would use the local gradient")
         if class_matches(self.qualname, fusion.force) or not fusion.probe:
             return None
         for group in opt.param_groups:
@@ -118,6 +119,13 @@ class OptimizerController:
                 return result.reason
             self.bitwise = result.bitwise if self.bitwise is None else self.bitwise and result.bitwise
         return None
+
+    def _averaged_by(self, opt):
+        """Across processes, backward fusion updates a chunk once autopatch's allreduce has
+        averaged its gradients: the DDP takeover, when it averages all of this optimizer's."""
+        comm = self.runtime.comm
+        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        return comm if comm is not None and comm.averages(params) else None
 
     def _probe_note(self):
         if self.policy.fusion.compile:
@@ -136,8 +144,10 @@ class OptimizerController:
         if mode == "multi_layer":
             return MultiLayerStep(opt, self.chunk_bytes, owned_storages=self.owned_storages,
                                   compile=self.policy.fusion.compile)
-        cls = BackwardFusion if mode == "backward" else ForwardFusion
-        return cls(opt, self.chunk_bytes, owned_storages=self.owned_storages)
+        if mode == "forward":
+            return ForwardFusion(opt, self.chunk_bytes, owned_storages=self.owned_storages)
+        return BackwardFusion(opt, self.chunk_bytes, owned_storages=self.owned_storages,
+                              averaged_by=self._averaged_by(opt) if _world_size() > 1 else None)
 
     def _activate(self, opt, mode, reason):
         """Leave the current mode (applying anything pending) and build the next one. The old

@@ -35,6 +35,8 @@ def contenders(quick):
     out += [(f"autopatch {s} MiB", "autopatch", {"bucket_bytes": s * MiB}) for s in sizes]
     out += [(f"autopatch 25 MiB {c}", "autopatch", {"bucket_bytes": 25 * MiB, "compression": c})
             for c in ("fp16", "bf16", "minmax_uint8")]
+    out += [(f"autopatch 1 MiB + {mode}", "autopatch", {"bucket_bytes": 1 * MiB, "mode": mode})
+            for mode in ("multi_layer", "backward")]
     return out
 
 
@@ -84,12 +86,16 @@ def worker(args):
     for rnd in range(args.rounds):
         shift = rnd % len(runs)
         for name, kind, arg in runs[shift:] + runs[:shift]:
+            warmup = args.warmup
             if kind == "autopatch":
-                autopatch.enable(mode="off", allreduce=dict({"enabled": True}, **arg))
+                settings = dict(arg)
+                mode = settings.pop("mode", "off")
+                autopatch.enable(mode=mode, fusion={"observe_steps": 1}, allreduce=dict({"enabled": True}, **settings))
+                warmup += 2 if mode != "off" else 0   # backward starts after 1 watched step
             model = models.get(name, shared)
             opt = opts.get(name, opts["shared"])
             try:
-                for _ in range(args.warmup):
+                for _ in range(warmup):
                     step(model, opt, kind != "no_sync")
                 dist.barrier()
                 wait0 = autopatch.report()["allreduce"].get("wait_seconds", 0.0) if kind == "autopatch" else 0.0
@@ -99,8 +105,11 @@ def worker(args):
                     times[name].append(time.perf_counter() - t0)
                     sent[name].append(wchar() - b0)
                 if kind == "autopatch":
-                    wait1 = autopatch.report()["allreduce"]["wait_seconds"]
-                    waits[name].append((wait1 - wait0) / args.steps)
+                    report = autopatch.report()
+                    waits[name].append((report["allreduce"]["wait_seconds"] - wait0) / args.steps)
+                    ran = {o["mode"] for o in report["optimizers"] if o["steps"]}
+                    if ran != {mode}:
+                        raise SystemExit(f"{name}: the optimizer ran in mode {ran}, not {mode}")
             finally:
                 if kind == "autopatch":
                     autopatch.disable()
@@ -122,6 +131,7 @@ def table(rows, params):
     ddp_default = next(r for r in rows if r["contender"].startswith("DDP default"))["step_ms"]
     ddp_tuned = min((r for r in rows if r["contender"].startswith("DDP")), key=lambda r: r["step_ms"])
     plain = [r for r in rows if r["contender"].startswith("autopatch") and r["contender"].endswith("MiB")]
+    fused = [r for r in rows if " + " in r["contender"]]
     best = min(plain, key=lambda r: r["step_ms"])
     uncompressed = next(r for r in rows if r["contender"] == "autopatch 25 MiB")["sent_mib"]
     lines = [f"model: {params / 1e6:.2f} M parameters ({params * 4 / MiB:.1f} MiB of float32 gradients)", "",
@@ -139,6 +149,9 @@ def table(rows, params):
         r = next(r for r in rows if r["contender"].endswith(c))
         lines.append(f"{c}: bytes sent cut {uncompressed / r['sent_mib']:.2f}x, step time "
                      f"{r['step_ms'] / ddp_default:.3f} of DDP default")
+    for r in fused:
+        lines.append(f"{r['contender']}: step time {r['step_ms'] / ddp_default:.3f} of DDP default, "
+                     f"{r['step_ms'] / best['step_ms']:.3f} of the best allreduce-only bucket size")
     return "\n".join(lines)
 
 

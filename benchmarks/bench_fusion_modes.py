@@ -291,7 +291,7 @@ def run_workload(ctx, key, args, tmp, memory=False):
     """
     opts = dict(threads=args.threads, observe_steps=args.observe_steps, chunk_bytes=args.chunk_bytes,
                 clock=args.clock,
-                warmup=args.observe_steps + 1 if memory else args.warmup,
+                warmup=args.observe_steps + 2 if memory else args.warmup,   # decided at step 1, watched, then fused
                 mmap_threshold=MEMORY_MMAP_THRESHOLD if memory else None)
     rounds, steps = (1, args.memory_steps) if memory else (args.rounds, args.steps)
     names = [c for c in CONTENDERS if available(key, c) is None]

@@ -144,6 +144,17 @@ def equivalence():
     res["ddp_adam_6"] = job(optimizer="adam", steps=6)
     for mode in ("forward", "backward"):    # these modes start after watching 3 steps
         res[mode] = job({"mode": mode, "allreduce": {"enabled": True}}, optimizer="adam", steps=6)
+    res["backward_small_buckets"] = job({"mode": "backward", "allreduce": {"enabled": True, "bucket_bytes": 1024}},
+                                        optimizer="adam", steps=6)
+    res["minmax_adam_6"] = job(on(compression="minmax_uint8", bucket_bytes=1024), optimizer="adam", steps=6)
+    res["backward_minmax"] = job({"mode": "backward", "allreduce": {"enabled": True, "bucket_bytes": 1024,
+                                                                    "compression": "minmax_uint8"}},
+                                 optimizer="adam", steps=6)
+    res["ddp_unused_6"] = job(steps=6, **unused)
+    res["backward_unused"] = job({"mode": "backward", "allreduce": {"enabled": True, "bucket_bytes": 1024}},
+                                 steps=6, **unused)
+    res["backward_left_to_ddp"] = job({"mode": "backward", "allreduce": {"enabled": False}},
+                                      optimizer="adam", steps=6)
 
     for nodes, group_rank, local in (("2x1", RANK, 1), ("1x2", 0, 2)):   # as torchrun would set them
         os.environ.update(GROUP_RANK=str(group_rank), LOCAL_WORLD_SIZE=str(local))

@@ -157,15 +157,36 @@ def test_with_forward_fusion(equivalence):
         assert [o["mode"] for o in run["report"]["optimizers"]] == ["forward"]
 
 
-def test_backward_fusion_is_refused_across_processes(equivalence):
-    """An update inside backward would use the local gradient, before it is averaged: a policy
-    asking for backward fusion gets multi_layer, with the reason, and DDP's results."""
+@pytest.mark.parametrize("scenario, reference", [
+    ("backward", "ddp_adam_6"),                     # one bucket: handed over at backward's end
+    ("backward_small_buckets", "ddp_adam_6"),       # many: each as soon as its allreduce is done
+    ("backward_minmax", "minmax_adam_6"),           # two collectives per bucket: in bucket order
+    ("backward_unused", "ddp_unused_6"),            # after the used-parameter bitmap
+])
+def test_with_backward_fusion(equivalence, scenario, reference):
+    """Chunks are updated inside backward from the averaged gradients, never the local ones:
+    weights equal DDP's with the same optimizer stepping after backward, on every rank."""
     for rank in (0, 1):
-        run = equivalence[rank]["backward"]
+        run = equivalence[rank][scenario]
+        assert_same_run(run, equivalence[rank][reference])
+        (opt,) = run["report"]["optimizers"]
+        assert opt["mode"] == "backward", opt["reason"]
+        assert opt["fusion"]["chunk_updates_in_backward"] > 0
+        assert opt["fusion"]["leftover_steps"] == 0
+        assert "buckets_handed_over_early" in active(run)["models"][0]
+    assert_bitwise(equivalence[0][scenario]["weights"], equivalence[1][scenario]["weights"],
+                   f"{scenario} weights, rank 0 vs rank 1")
+
+
+def test_backward_fusion_is_refused_where_ddp_averages(equivalence):
+    """DDP's own reducer writes averaged grads only at the end of backward: an update inside
+    backward would use the local gradient, so a policy asking for it gets multi_layer."""
+    for rank in (0, 1):
+        run = equivalence[rank]["backward_left_to_ddp"]
         assert run["losses"] == equivalence[rank]["ddp_adam_6"]["losses"]
         (opt,) = run["report"]["optimizers"]
         assert opt["mode"] == "multi_layer"
-        assert "averaged across 2 processes" in opt["reason"]
+        assert "not all of them by autopatch's allreduce" in opt["reason"]
 
 
 def test_hierarchical_reduce(equivalence):

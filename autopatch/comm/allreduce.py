@@ -10,6 +10,13 @@ A synchronised backward:
 3. An autograd-engine callback at the end of backward (DDP's own mechanism) launches what is left
    and waits, so ``backward()`` returns averaged gradients: clipping, GradScaler and gradient
    logging between backward and ``step()`` see what they see under DDP.
+4. ``on_averaged(params)``, when given, hears of every bucket as soon as its average is final, so
+   backward fusion can update those parameters at once. Later gradient hooks poll the buckets in
+   flight, so a bucket that completes while backward goes on is handed over then; buckets whose
+   reduction takes several collectives (8-bit compression, hierarchical) are only advanced at the
+   end of backward, in bucket order, because advancing one earlier would issue its next collective
+   out of the order every rank shares. With ``find_unused`` nothing is handed over before the
+   used-parameter bitmap says which parameters any rank used.
 
 The first synchronised backward only records the order gradients arrive in. Rank 0's order is
 broadcast, the flat buffers are laid out in it, and that step is reduced at its end without
@@ -54,13 +61,15 @@ class BucketedAllreduce:
     """Averages the gradients of ``params`` over ``group`` in buckets of about ``bucket_bytes``."""
 
     def __init__(self, params, names, group, *, bucket_bytes, compression="none",
-                 hierarchical=False, timeout_seconds=None, find_unused=False):
+                 hierarchical=False, timeout_seconds=None, find_unused=False, on_averaged=None):
         self.params = list(params)
         self.names = list(names)
         self.group = group
         self.world = dist.get_world_size(group)
         self.device = self.params[0].device
         self.find_unused = find_unused
+        self.on_averaged = on_averaged
+        self.buckets_handed_over_early = 0   # handed to on_averaged before backward's end
         self.timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
         self.settings = {"bucket_bytes": int(bucket_bytes), "compression": _compression(compression),
                          "hierarchical": bool(hierarchical)}
@@ -110,6 +119,8 @@ class BucketedAllreduce:
         self._next_bucket = 0
         self._inflight = []
         self._check = None
+        self._finished = [False] * len(self.buckets)
+        self._listener_error = None
 
     def _on_grad(self, i, param):
         self._used[i] = True
@@ -129,6 +140,8 @@ class BucketedAllreduce:
         self._missing[b] -= 1
         if self._missing[b] == 0:
             self._launch_full_buckets()
+        if self._inflight and self._hands_over_early():
+            self._poll()
 
     def _begin_backward(self):
         self._in_backward = True
@@ -180,14 +193,20 @@ class BucketedAllreduce:
             while self._next_bucket < len(self.buckets):
                 self._launch(self._next_bucket)
             used = self._launch_used_bitmap() if self.find_unused else None
-            self._drain()       # even when raising below: the other ranks' collectives must match
+            # Even when raising below, every wait happens: the other ranks' collectives must match.
+            self._drain(finish=not missing and not self.find_unused)
             if missing:
                 raise RuntimeError(
                     f"autopatch allreduce: {len(missing)} parameter(s) received no gradient in this "
                     f"step ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). As with "
                     "DDP, a model with unused parameters needs DistributedDataParallel(..., "
                     "find_unused_parameters=True).")
-            self._bind_grads(self._globally_used(used))
+            used = self._globally_used(used)
+            for b in range(len(self.buckets)):
+                if not self._finished[b]:
+                    self._finish(b, used)
+            if self._listener_error is not None:
+                raise self._listener_error
             self.steps += 1
         finally:
             self._armed = False
@@ -219,6 +238,7 @@ class BucketedAllreduce:
                                         s["compression"], s["hierarchical"])
         self.bytes_per_step = sum(self.averager.bytes_sent(b.tensor) for b in self.buckets)
         self._missing = [len(b.params) for b in self.buckets]
+        self._finished = [False] * len(self.buckets)
         self.layouts += 1
 
     def _summary_row(self):
@@ -276,8 +296,9 @@ class BucketedAllreduce:
         self._wait(work, "the unused-parameter bitmap")
         return [c > 0 for c in counts.tolist()]
 
-    def _drain(self):
-        """Wait for every bucket, phase by phase, in bucket order."""
+    def _drain(self, finish):
+        """Wait for every bucket, phase by phase, in bucket order; with ``finish``, hand each
+        bucket over as soon as its last phase is done."""
         pending, self._inflight = self._inflight, []
         while pending:
             later = []
@@ -286,13 +307,44 @@ class BucketedAllreduce:
                 work = next(phases, None)
                 if work is not None:
                     later.append((phases, work, b))
+                elif finish:
+                    self._finish(b)
             pending = later
 
-    def _bind_grads(self, used):
-        for i, p in enumerate(self.params):
-            view = self.flat.views[i]
-            if p.grad is not view and (used is None or used[i]):
-                p.grad = view
+    def _hands_over_early(self):
+        """Buckets can be handed over while backward runs: someone listens, no bitmap to await,
+        and one collective per bucket (so completing one issues nothing out of order)."""
+        return self.on_averaged is not None and not self.find_unused and self.averager.single_collective
+
+    def _poll(self):
+        """Hand over the buckets whose allreduce has completed, without waiting for the others."""
+        still = []
+        for phases, work, b in self._inflight:
+            if work.is_completed():
+                self._wait(work, f"bucket {b} of {len(self.buckets)}")
+                next(phases, None)     # the rest of a single-collective bucket issues nothing
+                self._finish(b)
+                self.buckets_handed_over_early += 1
+            else:
+                still.append((phases, work, b))
+        self._inflight = still
+
+    def _finish(self, b, used=None):
+        """Bucket ``b`` is averaged: its parameters' ``.grad`` become their views of it (except,
+        with ``find_unused``, those no rank used, which keep their ``.grad`` as DDP leaves it)."""
+        self._finished[b] = True
+        done = []
+        for i in self.buckets[b].params:
+            if used is None or used[i]:
+                p, view = self.params[i], self.flat.views[i]
+                if p.grad is not view:
+                    p.grad = view
+                done.append(p)
+        if done and self.on_averaged is not None and self._listener_error is None:
+            try:
+                self.on_averaged(done)
+            except Exception as e:    # raised once every collective of this step is waited for
+                self._listener_error = e
 
     def _wait(self, work, what):
         start = time.perf_counter()
@@ -325,9 +377,11 @@ class BucketedAllreduce:
             "wait_seconds": round(self.wait_seconds, 6),
             "wait_seconds_per_step": round(self.wait_seconds / self.steps, 6) if self.steps else 0.0,
             "layouts": self.layouts,
+            "buckets_handed_over_early": self.buckets_handed_over_early,
         }
 
     def remove(self):
+        self.on_averaged = None
         for h in self._hooks:
             h.remove()
         self._hooks = []

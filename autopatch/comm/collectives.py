@@ -31,6 +31,11 @@ class Averager:
         self.compression = compression
         self.topology = topology
 
+    @property
+    def single_collective(self):
+        """One collective per bucket: once it completes, finishing the bucket issues nothing."""
+        return self.topology is None and self.compression != "minmax_uint8"
+
     def phases(self, tensor):
         topo = self.topology
         if topo is None:

@@ -14,12 +14,14 @@ to DDP when a comm hook or static graph is set on it later, or when it enters a 
 for uneven inputs (DDP's join hook shadows DDP's own collectives, which autopatch does not issue).
 """
 
+import collections
 import gc
 import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from ..patching import Ledger
 from .allreduce import BucketedAllreduce
@@ -77,6 +79,24 @@ class DDPTakeover:
         self.reducers = weakref.WeakKeyDictionary()     # DDP model -> BucketedAllreduce, while in charge
         self.history = []      # per adopted model: its reducer, or once retired its last description
         self.left_to_ddp = []
+        self._listeners = collections.OrderedDict()   # on_averaged() callbacks, by handle id (weakly referenced by the handles)
+
+    # -- backward fusion's view ------------------------------------------------------------------
+    def averages(self, params):
+        """True when autopatch averages the gradient of every parameter in ``params``."""
+        mine = {id(p) for reducer in self.reducers.values() for p in reducer.params}
+        return all(id(p) in mine for p in params)
+
+    def on_averaged(self, fn):
+        """Call ``fn(params)`` whenever the averaged gradients of ``params`` are final, inside
+        backward. Returns a handle whose ``remove()`` stops it."""
+        handle = RemovableHandle(self._listeners)
+        self._listeners[handle.id] = fn
+        return handle
+
+    def _averaged(self, params):
+        for fn in list(self._listeners.values()):
+            fn(params)
 
     def install(self, distributed_module):
         ddp_class = distributed_module.DistributedDataParallel
@@ -98,7 +118,8 @@ class DDPTakeover:
                 name_of = {id(p): n for n, p in ddp.module.named_parameters()}
                 reducer = BucketedAllreduce(
                     params, [name_of.get(id(p), "?") for p in params], ddp.process_group,
-                    find_unused=ddp.find_unused_parameters, **self._options_for(ddp))
+                    find_unused=ddp.find_unused_parameters, on_averaged=self._averaged,
+                    **self._options_for(ddp))
         except Exception as e:   # an optimisation must never stop the user's model from training
             reason = f"could not take over ({type(e).__name__}: {e})"
         if reason is not None:

@@ -7,6 +7,10 @@ The user's ``step()`` then only updates what backward could not: parameters left
 chunks where some parameter had no gradient (those step per tensor, as unpatched, and the runs are
 re-planned).
 
+Across processes the gradients are hooked differently: autopatch's allreduce (``averaged_by``)
+says when a bucket's averaged gradients are final, and those are what chunks count down on. The
+grads then stay where they are (views of the allreduce's flat buffer, as after DDP's backward).
+
 Only correct when the gradient at the end of one backward is the one ``step()`` would use: no
 gradient accumulation, clipping, GradScaler, or other reads of grads or params between backward and
 ``step()``. Mode ``auto`` checks that before choosing it; a second backward before ``step()`` is an
@@ -26,12 +30,13 @@ class AccumulationError(RuntimeError):
 class BackwardFusion:
     mode = "backward"
 
-    def __init__(self, optimizer, chunk_bytes, owned_storages=None, free_grads=True):
+    def __init__(self, optimizer, chunk_bytes, owned_storages=None, averaged_by=None):
         self.opt = optimizer
         self.raw_step = raw_step_of(optimizer)
         self.planner = MultiLayerStep(optimizer, chunk_bytes, align=True, grad_buffer=False,
                                       owned_storages=owned_storages)
-        self.free_grads = free_grads
+        self.averaged_by = averaged_by
+        self.free_grads = averaged_by is None    # an allreduce's flat buffer stays allocated anyway
         self.hooks = []
         self.where = {}        # id(param) -> (group index, run, chunk index)
         self.waiting = {}      # (id(run), chunk index) -> params whose grad is not final yet
@@ -51,7 +56,10 @@ class BackwardFusion:
                 for ci, (i0, i1) in enumerate(run.chunk_spans):
                     for p in run.params[i0:i1]:
                         self.where[id(p)] = (gi, run, ci)
-                        self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                        if self.averaged_by is None:
+                            self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        if self.averaged_by is not None:
+            self.hooks.append(self.averaged_by.on_averaged(self._on_averaged))
         self._new_step()
         self.armed = True
 
@@ -66,6 +74,10 @@ class BackwardFusion:
         self.waiting = {(id(run), ci): i1 - i0 for plan in self.planner.plans for run in plan.runs
                         for ci, (i0, i1) in enumerate(run.chunk_spans)}
 
+    def _on_averaged(self, params):
+        for p in params:
+            self._on_grad(p)
+
     def _on_grad(self, p):
         where = self.where.get(id(p))
         if where is None:
@@ -75,7 +87,7 @@ class BackwardFusion:
                 "autopatch mode 'backward': a parameter received a second gradient before "
                 "optimizer.step() (gradient accumulation, or a step skipped by GradScaler); "
                 "use mode 'forward', 'multi_layer' or 'auto' for this optimizer")
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.averaged_by is None:
             raise AccumulationError("autopatch mode 'backward' cannot run under create_graph=True "
                                     "(double backward); use mode 'multi_layer' or 'auto'")
         self.ready.add(id(p))
