@@ -195,11 +195,31 @@ def failures():
     res["unused_without_flag"] = expect_error(lambda: job(on(), model=Branchy, steps=2))
     dist.barrier()      # so does DDP's unused-parameter error: the step's collectives all ran
 
+    res["accumulation_in_backward_mode"] = expect_error(accumulate_once_backward_is_chosen)
+    dist.barrier()      # every collective of the failing backward ran on both ranks
+
     def die(step, net):
         if step == 2 and RANK == 1:
             os._exit(17)
     res["death"] = expect_error(lambda: job(on(timeout_seconds=30), model=plain_mlp, on_step=die))
     return res
+
+
+def accumulate_once_backward_is_chosen():
+    """Mode backward across processes, then two synchronised backwards before one step()."""
+    autopatch.enable(mode="backward", fusion={"observe_steps": 1},
+                     allreduce={"enabled": True, "bucket_bytes": 1024})
+    try:
+        net = DDP(plain_mlp())
+        opt = torch.optim.Adam(net.parameters(), lr=0.01)
+        for step in range(6):
+            for micro in range(1 if step < 4 else 2):
+                x, y = batch(step, micro)
+                nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        autopatch.disable()
 
 
 def stall():

@@ -251,6 +251,16 @@ def test_unused_parameter_without_find_unused_is_an_error_as_in_ddp(failures):
         assert "never.weight" in error["message"] and "find_unused_parameters=True" in error["message"]
 
 
+def test_accumulation_under_backward_fusion_is_a_clear_error(failures):
+    """Backward fusion updates inside the first synchronised backward; a second one before
+    step() would need the sum of both, so it raises on every rank (and nothing hangs)."""
+    results, outputs, codes = failures
+    for r in results.values():
+        error = r["accumulation_in_backward_mode"]
+        assert error["type"] == "AccumulationError", error
+        assert "second gradient before optimizer.step()" in error["message"]
+
+
 def test_rank_death_is_a_clear_error(failures):
     results, outputs, codes = failures
     assert codes[1] == 17, "rank 1 was meant to die"
