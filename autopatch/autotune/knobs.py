@@ -7,7 +7,6 @@ on the bucketed allreduce when one is in charge of a multi-process run, through 
 
 import math
 
-from .. import controller as _controller
 from ..fusion.chunking import default_chunk_bytes
 from ..step_timer import comm_target
 from .sync import world_size
@@ -55,19 +54,12 @@ class RunKnobs:
     def bounds(self):
         """(knob -> bounds for the knobs that apply, knob -> reason for those left out)."""
         bounds, left_out = {}, {}
-        unavailable = getattr(_controller, "UNAVAILABLE", ())
         for knob in self.policy.autotune.knobs:
             why = self.why_not(knob)
             if why:
                 left_out[knob] = why
                 continue
-            b = self.policy.autotune.bounds_of(knob)
-            if knob == "mode":
-                b = tuple(m for m in b if m not in unavailable)
-                if not b:
-                    left_out[knob] = "none of its modes is available in this version"
-                    continue
-            bounds[knob] = b
+            bounds[knob] = self.policy.autotune.bounds_of(knob)
         return bounds, left_out
 
     def current(self, knobs):

@@ -236,9 +236,13 @@ class MultiLayerStep:
         try:
             if self.compiled is None:
                 self.compiled = torch.compile(raw_step_of(self.opt))
-            self.compiled(self.opt)
+            # Past dynamo's recompile limit (one count per code object, so optimizers of one class
+            # share it) dynamo would run the step eagerly without a word; raise instead, before
+            # the frame runs, so the report can say so.
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                self.compiled(self.opt)
         except Exception as e:   # the eager step() that follows does the update instead
-            self.compile_error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            self.compile_error = _compile_failure(e)
             return
         if self.compile_seconds is None:
             self.compile_seconds = time.perf_counter() - t0
@@ -278,3 +282,13 @@ class MultiLayerStep:
             out.update(compiled=self.compile_error is None and self.compile_seconds is not None,
                        compile_seconds=self.compile_seconds, compile_error=self.compile_error)
         return out
+
+
+def _compile_failure(error):
+    """One line for the report on why torch.compile is not used for this optimizer."""
+    if type(error).__name__ == "FailOnRecompileLimitHit":
+        limit = torch._dynamo.config.recompile_limit
+        return (f"torch.compile reached dynamo's recompile limit ({limit}, shared by every optimizer "
+                "of this class in the process); this optimizer steps eagerly from here on (raise "
+                "torch._dynamo.config.recompile_limit to compile more optimizers)")
+    return f"{type(error).__name__}: {error}".splitlines()[0][:300]
