@@ -1,5 +1,7 @@
 """Mode multi_layer: training with fused chunks equals training without, bit for bit."""
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -8,7 +10,11 @@ import autopatch
 from training import (BertAdam, assert_same, assert_state_equal, batches, clone, mlp, train,
                       weights)
 
-CHUNK = 4096  # bytes: small, so that runs split into many chunks and params straddle them
+# Chunk sizes in bytes. A parameter of at least a chunk gets chunks of its own that read its own
+# .grad in place; smaller ones are grouped and their grads gathered into a flat buffer.
+CHUNK = 1024           # the 16x16 weights: one chunk each, the biases grouped (the default here)
+GATHERED_CHUNK = 4096  # every parameter of the 16-wide model is small: all grads gathered
+WIDE = 32              # with CHUNK, a 32x32 weight is cut into 4 chunks of its own
 
 TORCH_OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
@@ -41,14 +47,14 @@ def two_groups(model):
     return [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def run(make_opt, steps=12, patched=True, set_to_none=True, closure=False, **enable):
-    model = mlp()
+def run(make_opt, steps=12, patched=True, set_to_none=True, closure=False, width=16, **enable):
+    model = mlp(width)
     if patched:
-        autopatch.enable(mode="multi_layer", chunk_bytes=CHUNK, **enable)
+        autopatch.enable(**dict({"mode": "multi_layer", "chunk_bytes": CHUNK}, **enable))
     try:
         opt = make_opt(two_groups(model))
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
-        losses = train(model, opt, batches(steps), sched, set_to_none=set_to_none, closure=closure)
+        losses = train(model, opt, batches(steps, width), sched, set_to_none=set_to_none, closure=closure)
         rep = autopatch.report()
     finally:
         autopatch.disable()
@@ -57,16 +63,38 @@ def run(make_opt, steps=12, patched=True, set_to_none=True, closure=False, **ena
 
 @pytest.mark.parametrize("name", sorted(TORCH_OPTIMIZERS))
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_bitwise_equal_to_unpatched(name, set_to_none):
+@pytest.mark.parametrize("chunk, width", [(GATHERED_CHUNK, 16), (CHUNK, 16), (CHUNK, WIDE)])
+def test_bitwise_equal_to_unpatched(name, set_to_none, chunk, width):
     make = TORCH_OPTIMIZERS[name]
-    ref = run(make, patched=False, set_to_none=set_to_none)
-    got = run(make, set_to_none=set_to_none)
+    ref = run(make, patched=False, set_to_none=set_to_none, width=width)
+    got = run(make, set_to_none=set_to_none, chunk_bytes=chunk, width=width)
     entry = stepped(got[3])
     assert entry["mode"] == "multi_layer", entry["reason"]
     assert entry["fusion"]["chunks"] > 2 and entry["fusion"]["fused_steps"] == 12
     assert_same(ref[0], got[0])
     assert_same(ref[1], got[1])
     assert_state_equal(ref[2], got[2])
+
+
+def test_large_params_are_updated_from_their_own_grads():
+    """No copy of a large parameter's gradient: only the small ones are gathered into a flat
+    buffer, and once the user frees the grads (set_to_none) no chunk keeps one alive."""
+    model = mlp(WIDE)
+    autopatch.enable(mode="multi_layer", chunk_bytes=CHUNK)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train(model, opt, batches(2, WIDE))
+        fusion = stepped(autopatch.report())["fusion"]
+        small = sum(p.numel() * p.element_size() for p in model.parameters() if p.numel() * 4 < CHUNK)
+        assert fusion["gathered_grad_bytes"] == small
+        x, y = batches(1, WIDE)[0]
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        freed = [weakref.ref(p.grad) for p in model.parameters()]
+        opt.zero_grad(set_to_none=True)
+        assert all(r() is None for r in freed)
+    finally:
+        autopatch.disable()
 
 
 def test_closure_step_like_lightning():

@@ -44,9 +44,13 @@ class FlatRun:
     ``align=True`` cuts chunks only at parameter boundaries, so each parameter belongs to one
     chunk (backward and forward fusion step chunks one at a time). ``grad_buffer=False`` skips
     the persistent flat gradient buffer (backward fusion gathers each chunk's grads on the fly).
+
+    ``direct_grads=True`` (multi_layer) gives each parameter of at least a chunk's size chunks of
+    its own, which read its ``.grad`` in place (``bind_direct_grads``): no copy into a flat
+    gradient buffer, which then only holds the smaller parameters' grads, gathered.
     """
 
-    def __init__(self, params, states, chunk_elems, align=False, grad_buffer=True):
+    def __init__(self, params, states, chunk_elems, align=False, grad_buffer=True, direct_grads=False):
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]
         self.offsets, total = [], 0
@@ -56,17 +60,38 @@ class FlatRun:
         self.numel = total
         p0 = self.params[0]
         self.flat = self._flatten_params(p0.dtype, p0.device)
-        self.flat_grad = torch.zeros_like(self.flat) if grad_buffer else None
-        self.grad_views = [self._view(self.flat_grad, i) for i in range(len(self.params))] if grad_buffer else None
         self.param_ptrs = [p.data_ptr() for p in self.params]
-        bounds = self._aligned_bounds(chunk_elems) if align else list(range(0, total, max(1, chunk_elems))) + [total]
+        chunk_elems = max(1, chunk_elems)
+        direct = direct_grads and not align
+        if align:
+            bounds = self._aligned_bounds(chunk_elems)
+        elif direct:
+            bounds = self._own_chunks_for_large(chunk_elems)
+        else:
+            bounds = list(range(0, total, chunk_elems)) + [total]
         self.chunk_bounds = list(zip(bounds[:-1], bounds[1:]))
         self.chunk_spans = [self._span(s, e) for s, e in self.chunk_bounds]
+        # chunk index -> the one large parameter it lies in, whose own .grad it reads
+        self.direct = {ci: i0 for ci, (i0, i1) in enumerate(self.chunk_spans)
+                       if direct and self.params[i0].numel() >= chunk_elems}
+        gathered = [i for i in range(len(self.params))
+                    if not (direct and self.params[i].numel() >= chunk_elems)]
+        self.flat_grad, self.grad_views, grad_at = None, None, {}
+        if grad_buffer:
+            # Gathered params' grads lie back to back, so a chunk of them is one slice.
+            self.flat_grad = torch.zeros(sum(self.params[i].numel() for i in gathered), dtype=p0.dtype, device=p0.device)
+            self.grad_views, at = [None] * len(self.params), 0
+            for i in gathered:
+                grad_at[i] = at
+                self.grad_views[i] = self.flat_grad[at:at + self.params[i].numel()].view(self.shapes[i])
+                at += self.params[i].numel()
         self.chunks = []
-        for s, e in self.chunk_bounds:
+        for ci, (s, e) in enumerate(self.chunk_bounds):
             c = torch.nn.Parameter(self.flat[s:e], requires_grad=True)
-            if grad_buffer:
-                c.grad = self.flat_grad[s:e]
+            if grad_buffer and ci not in self.direct:
+                i0 = self.chunk_spans[ci][0]
+                start = grad_at[i0] + s - self.offsets[i0]
+                c.grad = self.flat_grad[start:start + e - s]
             self.chunks.append(c)
         self.chunk_states = [dict() for _ in self.chunks]
         self.chunk_keys = [set() for _ in self.chunks]   # state keys already mirrored per param
@@ -82,6 +107,42 @@ class FlatRun:
                 filled = 0
             filled += p.numel()
         return bounds + [self.numel]
+
+    def _own_chunks_for_large(self, chunk_elems):
+        """Chunk bounds where a parameter of ``chunk_elems`` or more is cut into equal chunks of
+        its own and smaller neighbours are grouped up to ``chunk_elems``."""
+        bounds, filled = [0], 0
+        for o, p in zip(self.offsets, self.params):
+            n = p.numel()
+            if n >= chunk_elems:
+                if filled:
+                    bounds.append(o)
+                    filled = 0
+                pieces = -(-n // chunk_elems)
+                bounds += [o + n * k // pieces for k in range(1, pieces + 1)]
+                continue
+            if filled and filled + n > chunk_elems:
+                bounds.append(o)
+                filled = 0
+            filled += n
+        if bounds[-1] != self.numel:
+            bounds.append(self.numel)
+        return bounds
+
+    def bind_direct_grads(self):
+        """Point every chunk lying in one large parameter at its slice of that parameter's grad."""
+        last, flat_grad = None, None
+        for ci, i in self.direct.items():
+            if i != last:
+                g = self.params[i].grad
+                flat_grad, last = (g if g.is_contiguous() else g.contiguous()).view(-1), i
+            s, e = self.chunk_bounds[ci]
+            self.chunks[ci].grad = flat_grad[s - self.offsets[i]:e - self.offsets[i]]
+
+    def release_direct_grads(self):
+        """Drop those views, so a grad the user frees is not kept alive by a chunk."""
+        for ci in self.direct:
+            self.chunks[ci].grad = None
 
     def _span(self, s, e):
         """Indices [i0, i1) of the parameters overlapping flat range [s, e)."""

@@ -71,7 +71,7 @@ class MultiLayerStep:
         self.compile_seconds = None
         self.compile_error = None
         self.chunk_bytes = int(chunk_bytes)
-        self.run_options = dict(align=align, grad_buffer=grad_buffer)
+        self.run_options = dict(align=align, grad_buffer=grad_buffer, direct_grads=grad_buffer and not align)
         # Storages of flat buffers built for this optimizer (by any mode): params living there
         # may be re-flattened, while params sharing a foreign buffer are left alone.
         self.owned = set() if owned_storages is None else owned_storages
@@ -164,8 +164,10 @@ class MultiLayerStep:
                 continue
             fused, unfused, partial = split_by_grads(plan.runs)
             for run in fused:
+                run.bind_direct_grads()
                 # grads rebound to flat views last step (set_to_none=False) need no copy
-                pairs = [(gv, p.grad) for p, gv in zip(run.params, run.grad_views) if p.grad is not gv]
+                pairs = [(gv, p.grad) for p, gv in zip(run.params, run.grad_views)
+                         if gv is not None and p.grad is not gv]
                 copies_dst += [gv for gv, _ in pairs]
                 copies_src += [g for _, g in pairs]
             if partial:
@@ -194,6 +196,7 @@ class MultiLayerStep:
         for group, plan, fused in swapped:
             group["params"] = plan.original
             for run in fused:
+                run.release_direct_grads()
                 for c in run.chunks:
                     self.opt.state.pop(c, None)
                 why = run.sync(self.opt.state.__getitem__)
@@ -201,7 +204,7 @@ class MultiLayerStep:
                     raise NotFusable(f"{type(self.opt).__qualname__} cannot be fused: {why}")
                 if self.rebind_grads:
                     for p, gv in zip(run.params, run.grad_views):
-                        if p.grad is not gv:
+                        if gv is not None and p.grad is not gv:
                             p.grad = gv
                     rebound = True
         self._rebound_last = rebound
@@ -270,6 +273,8 @@ class MultiLayerStep:
             "chunks": sum(len(r.chunks) for r in runs),
             "fused_params": sum(len(r.params) for r in runs),
             "flat_bytes": sum(r.numel * r.flat.element_size() for r in runs),
+            "gathered_grad_bytes": sum(r.flat_grad.numel() * r.flat_grad.element_size()
+                                       for r in runs if r.flat_grad is not None),
             "chunk_bytes": self.chunk_bytes,
             "replans": self.replans,
             "excluded_params": dict(self.excluded),
