@@ -150,6 +150,13 @@ def equivalence():
     res["backward_minmax"] = job({"mode": "backward", "allreduce": {"enabled": True, "bucket_bytes": 1024,
                                                                     "compression": "minmax_uint8"}},
                                  optimizer="adam", steps=6)
+
+    def shrink_buckets_while_fusing(step, net):
+        if step == 4:        # backward fusion has run one step; the next backward uses 1 KiB buckets
+            autopatch._runtime.comm.set_bucket_bytes(1024)
+    res["backward_changing"] = job({"mode": "backward", "allreduce": {"enabled": True}}, optimizer="adam",
+                                   steps=7, on_step=shrink_buckets_while_fusing)
+    res["ddp_adam_7"] = job(optimizer="adam", steps=7)
     res["ddp_unused_6"] = job(steps=6, **unused)
     res["backward_unused"] = job({"mode": "backward", "allreduce": {"enabled": True, "bucket_bytes": 1024}},
                                  steps=6, **unused)

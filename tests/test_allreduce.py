@@ -162,6 +162,7 @@ def test_with_forward_fusion(equivalence):
     ("backward_small_buckets", "ddp_adam_6"),       # many: each as soon as its allreduce is done
     ("backward_minmax", "minmax_adam_6"),           # two collectives per bucket: in bucket order
     ("backward_unused", "ddp_unused_6"),            # after the used-parameter bitmap
+    ("backward_changing", "ddp_adam_7"),            # 25 MiB, then 1 KiB buckets mid-run
 ])
 def test_with_backward_fusion(equivalence, scenario, reference):
     """Chunks are updated inside backward from the averaged gradients, never the local ones:
@@ -173,7 +174,9 @@ def test_with_backward_fusion(equivalence, scenario, reference):
         assert opt["mode"] == "backward", opt["reason"]
         assert opt["fusion"]["chunk_updates_in_backward"] > 0
         assert opt["fusion"]["leftover_steps"] == 0
-        assert "buckets_handed_over_early" in active(run)["models"][0]
+        model = active(run)["models"][0]
+        assert "buckets_handed_over_early" in model
+        assert model["layouts"] == (2 if scenario == "backward_changing" else 1)
     assert_bitwise(equivalence[0][scenario]["weights"], equivalence[1][scenario]["weights"],
                    f"{scenario} weights, rank 0 vs rank 1")
 
