@@ -284,7 +284,9 @@ def test_stalled_rank_times_out(stall):
     error = stall[0]["stall"]
     assert error["type"] == "CommunicationError", error
     assert "timed out" in error["message"].lower()
-    assert 1.5 <= error["seconds"] < 3.5
+    # At the 1.5 s timeout, well before the process group's own 60 s; a loaded machine may add
+    # seconds to raising it (had rank 1 come back first, there would be no error at all).
+    assert 1.5 <= error["seconds"] < 10
 
 
 def test_rank_that_does_not_switch_buckets_is_caught(stall):
