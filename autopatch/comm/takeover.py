@@ -79,7 +79,8 @@ class DDPTakeover:
         self.reducers = weakref.WeakKeyDictionary()     # DDP model -> BucketedAllreduce, while in charge
         self.history = []      # per adopted model: its reducer, or once retired its last description
         self.left_to_ddp = []
-        self._listeners = collections.OrderedDict()   # on_averaged() callbacks, by handle id (weakly referenced by the handles)
+        # on_averaged() callbacks by handle id; torch's RemovableHandle needs a weakref-able dict
+        self._listeners = collections.OrderedDict()
 
     # -- backward fusion's view ------------------------------------------------------------------
     def averages(self, params):
