@@ -15,8 +15,6 @@ optimizer (at ``fuse_optimizer`` and at every ``fuse_step()``), so no step is fu
 
 import warnings
 
-import torch
-
 import autopatch
 from .fusion.chunking import default_chunk_bytes
 from .fusion.flat import FlatRun, state_signature

@@ -18,7 +18,6 @@ import logging
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -29,6 +28,7 @@ from torch import nn
 from autopatch import policy as ap_policy
 from autopatch.fusion.chunking import default_chunk_bytes
 from autopatch.runtime import Runtime
+from run_context import autopatch_revision, cpu_model, load_average, markdown
 
 BYTES_PER_ELEM = 7 * 4   # read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
 BIG_COPY_BYTES = 512 << 20
@@ -436,12 +436,6 @@ def sweep_table(args):
     return header, rows, best
 
 
-def markdown(header, rows):
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(out)
-
-
 def targets(verdict):
     """The issue's speed bar, each line MET / NOT MET with its number."""
     get = verdict.get
@@ -468,20 +462,13 @@ def targets(verdict):
 
 
 def machine():
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                  if line.startswith("model name")), platform.processor())
-    try:
-        rev = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                             text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        rev = "?"
-    return (f"{datetime.date.today()}, {model}, nproc {os.cpu_count()}, torch {torch.__version__} "
+    return (f"{datetime.date.today()}, {cpu_model()}, nproc {os.cpu_count()}, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads), python {platform.python_version()}, "
-            f"autopatch at {rev or '?'}")
+            f"autopatch at {autopatch_revision()}")
 
 
 def load():
-    return "/".join(f"{v:.1f}" for v in os.getloadavg())
+    return load_average("/", 1)
 
 
 def main():

@@ -39,7 +39,6 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +54,7 @@ import autopatch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from training import BertAdam  # noqa: E402  the hand-written optimizer the tests check bit for bit
+from run_context import autopatch_revision, cpu_model, load_average, markdown  # noqa: E402
 
 CONTENDERS = ["unpatched", "fused", "multi_layer", "backward", "forward", "auto"]
 AUTOPATCH_MODES = ("multi_layer", "backward", "forward", "auto")
@@ -375,11 +375,6 @@ def summarise(key, procs, memory_procs):
     return ref.info, rows
 
 
-def markdown(header, rows):
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
-
-
 def results_table(results):
     header = ["workload", "contender", "mode that ran", "step ms", "vs unpatched (quartiles)",
               "vs multi_layer", "forward ms", "backward ms", "optimizer ms", "peak RSS MiB",
@@ -506,25 +501,12 @@ def plot(results, path, clock):
 
 
 def autopatch_source():
-    """Where the autopatch under test lives, and its commit when that is a git checkout."""
-    where = Path(autopatch.__file__).resolve().parent.parent
-    try:
-        rev = subprocess.run(["git", "-C", str(where), "describe", "--always", "--dirty"],
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev = ""
-    return f"autopatch from {where}" + (f" at {rev}" if rev else "")
+    """Where the autopatch under test lives, and its commit."""
+    return f"autopatch from {Path(autopatch.__file__).resolve().parent.parent} at {autopatch_revision()}"
 
 
 def machine():
-    model = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{os.cpu_count()} CPUs ({model}), load average {load}"
+    return f"{os.cpu_count()} CPUs ({cpu_model()}), load average {load_average()}"
 
 
 def main():
@@ -588,7 +570,7 @@ def main():
         print(f"\nPlot: {args.plot}")
     print(f"All autopatch contenders ended bit-for-bit equal to unpatched (model and optimizer state). "
           f"Total {time.perf_counter() - started:.0f} s; load average at the end "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}.")
+          f"{load_average()}.")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 A run holds parameters of one group that share dtype, device and the shape of their optimizer
 state. Each parameter's ``.data`` becomes a view into the run's flat buffer, so an update of the
 flat buffer (or of any chunk of it) is an update of the parameters. Chunks are plain slices of the
-flat buffer; a parameter may straddle two chunks, which is harmless for elementwise updates.
+flat buffer, cut at parameter boundaries except inside parameters larger than a chunk.
 """
 
 import bisect
@@ -41,16 +41,15 @@ def state_signature(param, state):
 class FlatRun:
     """Parameters flattened into one buffer, with chunk views and per-chunk optimizer state.
 
-    ``align=True`` cuts chunks only at parameter boundaries, so each parameter belongs to one
-    chunk (backward and forward fusion step chunks one at a time). ``grad_buffer=False`` skips
-    the persistent flat gradient buffer (backward fusion gathers each chunk's grads on the fly).
-
-    ``direct_grads=True`` (multi_layer) gives each parameter of at least a chunk's size chunks of
-    its own, which read its ``.grad`` in place (``bind_direct_grads``): no copy into a flat
-    gradient buffer, which then only holds the smaller parameters' grads, gathered.
+    By default (multi_layer) a parameter of at least a chunk's size gets chunks of its own, which
+    read its ``.grad`` in place (``bind_direct_grads``): no copy into the flat gradient buffer,
+    which only holds the smaller parameters' grads, gathered. ``align=True`` keeps every parameter
+    whole in one chunk and gathers every grad (backward and forward fusion step chunks one at a
+    time, and forward's deferred grads must outlive ``zero_grad()``). ``grad_buffer=False`` skips
+    the flat gradient buffer (backward fusion gathers each chunk's grads on the fly).
     """
 
-    def __init__(self, params, states, chunk_elems, align=False, grad_buffer=True, direct_grads=False):
+    def __init__(self, params, states, chunk_elems, align=False, grad_buffer=True):
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]
         self.offsets, total = [], 0
@@ -62,20 +61,13 @@ class FlatRun:
         self.flat = self._flatten_params(p0.dtype, p0.device)
         self.param_ptrs = [p.data_ptr() for p in self.params]
         chunk_elems = max(1, chunk_elems)
-        direct = direct_grads and not align
-        if align:
-            bounds = self._aligned_bounds(chunk_elems)
-        elif direct:
-            bounds = self._own_chunks_for_large(chunk_elems)
-        else:
-            bounds = list(range(0, total, chunk_elems)) + [total]
+        bounds = self._aligned_bounds(chunk_elems) if align else self._own_chunks_for_large(chunk_elems)
         self.chunk_bounds = list(zip(bounds[:-1], bounds[1:]))
         self.chunk_spans = [self._span(s, e) for s, e in self.chunk_bounds]
+        large = [not align and p.numel() >= chunk_elems for p in self.params]
         # chunk index -> the one large parameter it lies in, whose own .grad it reads
-        self.direct = {ci: i0 for ci, (i0, i1) in enumerate(self.chunk_spans)
-                       if direct and self.params[i0].numel() >= chunk_elems}
-        gathered = [i for i in range(len(self.params))
-                    if not (direct and self.params[i].numel() >= chunk_elems)]
+        self.direct = {ci: i0 for ci, (i0, _) in enumerate(self.chunk_spans) if large[i0]}
+        gathered = [i for i, big in enumerate(large) if not big]
         self.flat_grad, self.grad_views, grad_at = None, None, {}
         if grad_buffer:
             # Gathered params' grads lie back to back, so a chunk of them is one slice.

@@ -71,7 +71,7 @@ class MultiLayerStep:
         self.compile_seconds = None
         self.compile_error = None
         self.chunk_bytes = int(chunk_bytes)
-        self.run_options = dict(align=align, grad_buffer=grad_buffer, direct_grads=grad_buffer and not align)
+        self.run_options = dict(align=align, grad_buffer=grad_buffer)
         # Storages of flat buffers built for this optimizer (by any mode): params living there
         # may be re-flattened, while params sharing a foreign buffer are left alone.
         self.owned = set() if owned_storages is None else owned_storages

@@ -1,0 +1,37 @@
+"""What every benchmark prints besides its numbers: the machine, the code under test, the load,
+and its tables in Markdown (pasted as they are into RESULTS.md)."""
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import autopatch
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def autopatch_revision():
+    """The commit of the autopatch under test (``git describe``), or '?' outside a checkout."""
+    where = Path(autopatch.__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "-C", str(where), "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
+    return rev or "?"
+
+
+def load_average(sep=" ", digits=2):
+    return sep.join(f"{x:.{digits}f}" for x in os.getloadavg())
+
+
+def markdown(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(out + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
