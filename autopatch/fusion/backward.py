@@ -1,15 +1,23 @@
 """Mode backward: update each chunk inside backward, as soon as all of its gradients are final.
 
-Chunks are cut at parameter boundaries. A post-accumulate-grad hook on every fused parameter
-counts down its chunk; the last one gathers the chunk's grads, runs the user's optimizer over that
-chunk and (when allowed) frees the grads at once, so at no time do all gradients exist together.
-The user's ``step()`` then only updates what backward could not: parameters left out of fusion and
-chunks where some parameter had no gradient (those step per tensor, as unpatched, and the runs are
-re-planned).
+Chunks are cut at parameter boundaries and hold at most ``BACKWARD_WINDOW`` bytes (a larger
+parameter is a chunk of its own). A post-accumulate-grad hook on every fused parameter counts down
+its chunk; the last one runs the user's optimizer over that chunk and frees the chunk's grads at
+once. So the gradients alive during backward are those of the chunks still filling, a few MiB,
+whatever the chunk size asked for; a chunk of one parameter reads its grad in place, a chunk of
+several copies theirs into a scratch buffer of one chunk, made once and used by every chunk in
+turn. The user's ``step()`` then only updates what
+backward could not: parameters left out of fusion and chunks where some parameter had no gradient
+(those step per tensor, as unpatched, and the runs are re-planned).
+
+The hooks run once per parameter per backward, so each does constant work on preallocated
+bookkeeping: a flag per parameter (a second gradient before ``step()`` is accumulation) and a
+counter per chunk.
 
 Across processes the gradients are hooked differently: autopatch's allreduce (``averaged_by``)
-says when a bucket's averaged gradients are final, and those are what chunks count down on. The
-grads then stay where they are (views of the allreduce's flat buffer, as after DDP's backward).
+says when a bucket's averaged gradients are final, and those are what chunks count down on; once
+updated they are freed as well, and with them each bucket's buffer, so the gradients alive are
+those of the buckets in flight and the chunks still filling.
 
 Only correct when the gradient at the end of one backward is the one ``step()`` would use: no
 gradient accumulation, clipping, GradScaler, or other reads of grads or params between backward and
@@ -17,9 +25,12 @@ gradient accumulation, clipping, GradScaler, or other reads of grads or params b
 error here rather than a silently different result.
 """
 
+import functools
+
 import torch
 
 from .chunk_step import raw_step_of, step_chunks
+from .chunking import BACKWARD_WINDOW
 from .multi_layer import MultiLayerStep
 
 
@@ -33,14 +44,17 @@ class BackwardFusion:
     def __init__(self, optimizer, chunk_bytes, owned_storages=None, averaged_by=None):
         self.opt = optimizer
         self.raw_step = raw_step_of(optimizer)
-        self.planner = MultiLayerStep(optimizer, chunk_bytes, align=True, grad_buffer=False,
+        self.planner = MultiLayerStep(optimizer, min(int(chunk_bytes), BACKWARD_WINDOW), align=True,
                                       owned_storages=owned_storages)
         self.averaged_by = averaged_by
-        self.free_grads = averaged_by is None    # an allreduce's flat buffer stays allocated anyway
         self.hooks = []
-        self.where = {}        # id(param) -> (group index, run, chunk index)
-        self.waiting = {}      # (id(run), chunk index) -> params whose grad is not final yet
-        self.ready = set()     # ids of params whose grad became final since the last step()
+        self.scratch = {}      # (dtype, device) -> a buffer of the longest gathered chunk
+        self.units = []        # chunk index -> (group index, run, chunk index in run)
+        self.unit_of = []      # slot (a fused parameter) -> its chunk's index in units
+        self.slot_of = {}      # id(param) -> slot, for the allreduce's per-bucket events
+        self.sizes = []        # chunk index -> how many parameters it waits for
+        self.left = []         # this step: chunk index -> parameters still without a final grad
+        self.arrived = bytearray()   # this step: slot -> 1 once its gradient is final
         self.stepped = []      # (run, chunk index) updated since the last step()
         self.swapped = []
         self.armed = False
@@ -51,13 +65,27 @@ class BackwardFusion:
         """(Re)plan the flat runs and hook every fused parameter's gradient."""
         self._unhook()
         self.planner.plan()
+        longest = {}
+        for plan in self.planner.plans:
+            for run in plan.runs:
+                gathered = [e - s for ci, (s, e) in enumerate(run.chunk_bounds) if ci not in run.direct]
+                key = (run.flat.dtype, run.flat.device)
+                longest[key] = max([longest.get(key, 0), *gathered])
+        self.scratch = {(dtype, device): torch.empty(n, dtype=dtype, device=device)
+                        for (dtype, device), n in longest.items() if n}
         for gi, plan in enumerate(self.planner.plans):
             for run in plan.runs:
                 for ci, (i0, i1) in enumerate(run.chunk_spans):
+                    unit = len(self.units)
+                    self.units.append((gi, run, ci))
+                    self.sizes.append(i1 - i0)
                     for p in run.params[i0:i1]:
-                        self.where[id(p)] = (gi, run, ci)
+                        slot = len(self.unit_of)
+                        self.unit_of.append(unit)
+                        self.slot_of[id(p)] = slot
                         if self.averaged_by is None:
-                            self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                            self.hooks.append(p.register_post_accumulate_grad_hook(
+                                functools.partial(self._arrive, slot)))
         if self.averaged_by is not None:
             self.hooks.append(self.averaged_by.on_averaged(self._on_averaged))
         self._new_step()
@@ -66,54 +94,52 @@ class BackwardFusion:
     def _unhook(self):
         for h in self.hooks:
             h.remove()
-        self.hooks, self.where, self.armed = [], {}, False
+        self.hooks, self.units, self.unit_of, self.slot_of, self.sizes = [], [], [], {}, []
+        self.scratch = {}
+        self.armed = False
 
     def _new_step(self):
-        self.ready.clear()
+        self.arrived = bytearray(len(self.unit_of))
+        self.left = list(self.sizes)
         self.stepped = []
-        self.waiting = {(id(run), ci): i1 - i0 for plan in self.planner.plans for run in plan.runs
-                        for ci, (i0, i1) in enumerate(run.chunk_spans)}
 
     def _on_averaged(self, params):
         for p in params:
-            self._on_grad(p)
+            slot = self.slot_of.get(id(p))
+            if slot is not None:
+                self._arrive(slot, p)
 
-    def _on_grad(self, p):
-        where = self.where.get(id(p))
-        if where is None:
-            return
-        if id(p) in self.ready:
+    def _arrive(self, slot, p):
+        if self.arrived[slot]:
             raise AccumulationError(
                 "autopatch mode 'backward': a parameter received a second gradient before "
                 "optimizer.step() (gradient accumulation, or a step skipped by GradScaler); "
                 "use mode 'forward', 'multi_layer' or 'auto' for this optimizer")
-        if torch.is_grad_enabled() and self.averaged_by is None:
+        if self.averaged_by is None and torch.is_grad_enabled():
             raise AccumulationError("autopatch mode 'backward' cannot run under create_graph=True "
                                     "(double backward); use mode 'multi_layer' or 'auto'")
-        self.ready.add(id(p))
-        gi, run, ci = where
-        key = (id(run), ci)
-        self.waiting[key] -= 1
-        if self.waiting[key] == 0:
-            self._step_chunk(gi, run, ci)
+        self.arrived[slot] = 1
+        unit = self.unit_of[slot]
+        left = self.left[unit] - 1
+        self.left[unit] = left
+        if not left:
+            self._step_unit(unit)
 
-    def _step_chunk(self, gi, run, ci):
+    def _step_unit(self, unit):
+        gi, run, ci = self.units[unit]
         i0, i1 = run.chunk_spans[ci]
         params = run.params[i0:i1]
         if any(p.data_ptr() != ptr for p, ptr in zip(params, run.param_ptrs[i0:i1])):
             return          # moved by user code: step() handles it and re-plans
-        grads = [p.grad for p in params]
-        if any(g.is_sparse for g in grads):
+        if any(p.grad.is_sparse for p in params):
             return
-        chunk = run.chunks[ci]
-        chunk.grad = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
+        run.borrow_grads(ci, self.scratch.get((run.flat.dtype, run.flat.device)))
         try:
-            step_chunks(self.opt, self.raw_step, [(gi, chunk, run.chunk_states[ci])])
+            step_chunks(self.opt, self.raw_step, [(gi, run.chunks[ci], run.chunk_states[ci])])
         finally:
-            chunk.grad = None
-        if self.free_grads:
-            for p in params:
-                p.grad = None
+            run.release_grads((ci,))
+        for p in params:
+            p.grad = None
         self.stepped.append((run, ci))
         self.in_backward += 1
 
@@ -167,7 +193,7 @@ class BackwardFusion:
         self._arm()
 
     def set_chunk_bytes(self, chunk_bytes):
-        self.planner.chunk_bytes = int(chunk_bytes)
+        self.planner.chunk_bytes = min(int(chunk_bytes), BACKWARD_WINDOW)
         if self.armed:          # an inactive mode keeps no hooks: it re-plans when activated
             self.invalidate()
         else:
@@ -175,4 +201,4 @@ class BackwardFusion:
 
     def describe(self):
         return dict(self.planner.layout(), chunk_updates_in_backward=self.in_backward,
-                    leftover_steps=self.leftover_steps, grads_freed_in_backward=self.free_grads)
+                    leftover_steps=self.leftover_steps)

@@ -1,14 +1,31 @@
-"""The automatic chunk size on CPU: one L2 cache's worth of parameters.
+"""How large a chunk is: the default per device, and the bound that keeps any chunk size cheap.
 
-Small chunks pay per-op overhead many times over; one huge chunk streams every elementwise pass
-of the update through main memory. The chunk-size sweep in benchmarks/RESULTS.md ("Multi-layer
-fused step") found the L2 size (2 MiB there) within a few percent of the best on both a
-many-small-tensors model and a few-large-tensors one, where 256 KiB was 1.2x slower on both."""
+On CPU the default is one L2 cache's worth of parameters. Small chunks pay per-op overhead many
+times over; one huge chunk streams every elementwise pass of the update through main memory. The
+chunk-size sweep in benchmarks/RESULTS.md ("Multi-layer fused step") found the L2 size (2 MiB
+there) within a few percent of the best on both a many-small-tensors model and a few-large-tensors
+one, where 256 KiB was 1.2x slower on both.
+
+On accelerators each chunk op is a kernel launch: a chunk of ``ACCELERATOR_CHUNK`` keeps a launch's
+few microseconds small against the kernel's own time at memory bandwidth, and the bound below
+still applies.
+
+Mode backward frees each chunk's gradients as soon as its update has run, so its chunks hold at
+most ``BACKWARD_WINDOW``: the gradients alive during backward are then a few MiB, not a chunk.
+
+Whatever size is asked for, a chunk is at most ``1/MEMORY_SHARE`` of the optimizer's fused bytes
+(never less than ``MEMORY_FLOOR``): gathering a chunk's gradients costs one chunk of memory for a
+moment, and an optimizer written as a loop of tensor ops holds a few chunk-sized temporaries where
+unpatched it held parameter-sized ones, so that bound keeps both to a few percent of the gradients.
+"""
 
 from pathlib import Path
 
 FALLBACK_L2 = 1 << 20
-GPU_CHUNK = 1 << 28
+ACCELERATOR_CHUNK = 32 << 20
+BACKWARD_WINDOW = 4 << 20
+MEMORY_SHARE = 32
+MEMORY_FLOOR = 2 << 20
 
 
 def l2_bytes():
@@ -24,11 +41,15 @@ def l2_bytes():
 
 
 def default_chunk_bytes(opt):
-    """Per device of the optimizer's first parameter. On accelerators (not measured here) each
-    chunk is a kernel launch, so runs are cut only every 256 MiB."""
+    """Per device of the optimizer's first parameter."""
     for group in opt.param_groups:
         for p in group["params"]:
             if p.device.type != "cpu":
-                return GPU_CHUNK
+                return ACCELERATOR_CHUNK
             break
     return max(256 << 10, l2_bytes())
+
+
+def bounded_chunk_bytes(chunk_bytes, fused_bytes):
+    """``chunk_bytes``, cut down to the memory bound for an optimizer fusing ``fused_bytes``."""
+    return min(int(chunk_bytes), max(MEMORY_FLOOR, fused_bytes // MEMORY_SHARE))

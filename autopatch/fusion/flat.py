@@ -7,6 +7,7 @@ flat buffer, cut at parameter boundaries except inside parameters larger than a 
 """
 
 import bisect
+import weakref
 
 import torch
 
@@ -41,15 +42,17 @@ def state_signature(param, state):
 class FlatRun:
     """Parameters flattened into one buffer, with chunk views and per-chunk optimizer state.
 
-    By default (multi_layer) a parameter of at least a chunk's size gets chunks of its own, which
-    read its ``.grad`` in place (``bind_direct_grads``): no copy into the flat gradient buffer,
-    which only holds the smaller parameters' grads, gathered. ``align=True`` keeps every parameter
-    whole in one chunk and gathers every grad (backward and forward fusion step chunks one at a
-    time, and forward's deferred grads must outlive ``zero_grad()``). ``grad_buffer=False`` skips
-    the flat gradient buffer (backward fusion gathers each chunk's grads on the fly).
+    By default (multi_layer) a parameter of at least a chunk's size gets chunks of its own;
+    ``align=True`` keeps every parameter whole in one chunk (backward and forward fusion update
+    chunks as their parameters' gradients become final). Either way a chunk lying in one
+    parameter reads that parameter's ``.grad`` in place, and a chunk of several parameters gets
+    one buffer their grads are *moved* into (``bind_grads``): each ``.grad`` becomes its view of
+    that buffer, so the original is freed at once and no gradient is ever held twice. Nothing but
+    those views (and the chunk, during an update) keeps such a buffer alive: ``zero_grad()``
+    frees it as it frees ordinary grads.
     """
 
-    def __init__(self, params, states, chunk_elems, align=False, grad_buffer=True):
+    def __init__(self, params, states, chunk_elems, align=False):
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]
         self.offsets, total = [], 0
@@ -64,32 +67,97 @@ class FlatRun:
         bounds = self._aligned_bounds(chunk_elems) if align else self._own_chunks_for_large(chunk_elems)
         self.chunk_bounds = list(zip(bounds[:-1], bounds[1:]))
         self.chunk_spans = [self._span(s, e) for s, e in self.chunk_bounds]
-        large = [not align and p.numel() >= chunk_elems for p in self.params]
-        # chunk index -> the one large parameter it lies in, whose own .grad it reads
-        self.direct = {ci: i0 for ci, (i0, _) in enumerate(self.chunk_spans) if large[i0]}
-        gathered = [i for i, big in enumerate(large) if not big]
-        self.flat_grad, self.grad_views, grad_at = None, None, {}
-        if grad_buffer:
-            # Gathered params' grads lie back to back, so a chunk of them is one slice.
-            self.flat_grad = torch.zeros(sum(self.params[i].numel() for i in gathered), dtype=p0.dtype, device=p0.device)
-            self.grad_views, at = [None] * len(self.params), 0
-            for i in gathered:
-                grad_at[i] = at
-                self.grad_views[i] = self.flat_grad[at:at + self.params[i].numel()].view(self.shapes[i])
-                at += self.params[i].numel()
-        self.chunks = []
-        for ci, (s, e) in enumerate(self.chunk_bounds):
-            c = torch.nn.Parameter(self.flat[s:e], requires_grad=True)
-            if grad_buffer and ci not in self.direct:
-                i0 = self.chunk_spans[ci][0]
-                start = grad_at[i0] + s - self.offsets[i0]
-                c.grad = self.flat_grad[start:start + e - s]
-            self.chunks.append(c)
+        # chunk index -> the one parameter it lies in, whose own .grad it reads
+        self.direct = {ci: i0 for ci, (i0, i1) in enumerate(self.chunk_spans) if i1 - i0 == 1}
+        # chunk of several parameters -> [(shape, stride, offset in the chunk)] of each of them
+        self._layout = {ci: [(self.shapes[i], torch.empty(self.shapes[i], device="meta").stride(),
+                              self.offsets[i] - s)
+                             for i in range(i0, i1)]
+                        for ci, ((s, _), (i0, i1)) in enumerate(zip(self.chunk_bounds, self.chunk_spans))
+                        if ci not in self.direct}
+        self._moved = {}     # chunk index -> (weakref to buffer, weakrefs to the views given as .grad)
+        self._scratch = {}   # chunk index -> (scratch buffer, its chunk-long slice, views)
+        self.chunks = [torch.nn.Parameter(self.flat[s:e], requires_grad=True) for s, e in self.chunk_bounds]
         self.chunk_states = [dict() for _ in self.chunks]
         self.chunk_keys = [set() for _ in self.chunks]   # state keys already mirrored per param
         self.flat_state = {}       # key -> flat tensor (full-size state)
         self.scalar_state = {}     # key -> 1-D buffer, element i is parameter i's 0-dim value
         self._adopt_state(states)
+
+    @property
+    def gathered_params(self):
+        """How many parameters have their grads moved into a chunk's buffer (the rest are read in place)."""
+        return sum(i1 - i0 for ci, (i0, i1) in enumerate(self.chunk_spans) if ci not in self.direct)
+
+    def bind_grads(self, chunk_ids):
+        """Set ``.grad`` of each chunk in ``chunk_ids`` from its parameters' grads.
+
+        A chunk in one parameter gets a slice of that parameter's grad. A chunk of several gets a
+        new buffer their grads are copied into, and each parameter's ``.grad`` becomes its view of
+        that buffer: the grads stay visible and the originals are freed at once. Buffers are made
+        one chunk at a time, so gathering costs at most one chunk of memory beyond the grads,
+        never a second copy of them. A buffer whose views are still every parameter's ``.grad``
+        (``zero_grad(set_to_none=False)`` and the next backward wrote into them in place) is used
+        again without a copy.
+        """
+        for ci in chunk_ids:
+            if not self._bind_direct(ci):
+                self.chunks[ci].grad = self._moved_grads(ci)
+
+    def borrow_grads(self, ci, scratch):
+        """Set chunk ``ci``'s ``.grad`` for one update, leaving the parameters' ``.grad`` as they
+        are: a chunk of several parameters copies theirs into ``scratch`` (at least a chunk long,
+        and used for every chunk in turn), whose views are made once."""
+        if self._bind_direct(ci):
+            return
+        cached = self._scratch.get(ci)
+        if cached is None or cached[0] is not scratch:
+            s, e = self.chunk_bounds[ci]
+            cached = self._scratch[ci] = (scratch, scratch[:e - s], self._views_of(scratch, ci))
+        i0, i1 = self.chunk_spans[ci]
+        with torch.no_grad():
+            torch._foreach_copy_(cached[2], [p.grad for p in self.params[i0:i1]])
+        self.chunks[ci].grad = cached[1]
+
+    def _bind_direct(self, ci):
+        i = self.direct.get(ci)
+        if i is None:
+            return False
+        g = self.params[i].grad
+        s, e = self.chunk_bounds[ci]
+        flat = (g if g.is_contiguous() else g.contiguous()).view(-1)
+        self.chunks[ci].grad = flat[s - self.offsets[i]:e - self.offsets[i]]
+        return True
+
+    def _views_of(self, buf, ci):
+        """Each parameter of chunk ``ci`` as a view of ``buf`` laid out like the chunk (one
+        ``as_strided`` per parameter: the cheapest view torch makes)."""
+        return [buf.as_strided(shape, stride, offset) for shape, stride, offset in self._layout[ci]]
+
+    def _moved_grads(self, ci):
+        i0, i1 = self.chunk_spans[ci]
+        params = self.params[i0:i1]
+        held = self._moved.get(ci)
+        if held is not None:
+            buf, views = held[0](), [v() for v in held[1]]
+            if buf is not None and all(v is not None and p.grad is v for p, v in zip(params, views)):
+                return buf
+        s, e = self.chunk_bounds[ci]
+        grads = [p.grad for p in params]
+        buf = torch.empty(e - s, dtype=grads[0].dtype, device=grads[0].device)
+        views = self._views_of(buf, ci)
+        with torch.no_grad():
+            torch._foreach_copy_(views, grads)
+        del grads
+        for p, v in zip(params, views):
+            p.grad = v
+        self._moved[ci] = (weakref.ref(buf), [weakref.ref(v) for v in views])
+        return buf
+
+    def release_grads(self, chunk_ids=None):
+        """Drop the chunks' grads, so only the parameters' ``.grad`` keep gradient memory alive."""
+        for ci in range(len(self.chunks)) if chunk_ids is None else chunk_ids:
+            self.chunks[ci].grad = None
 
     def _aligned_bounds(self, chunk_elems):
         bounds, filled = [0], 0
@@ -120,21 +188,6 @@ class FlatRun:
         if bounds[-1] != self.numel:
             bounds.append(self.numel)
         return bounds
-
-    def bind_direct_grads(self):
-        """Point every chunk lying in one large parameter at its slice of that parameter's grad."""
-        last, flat_grad = None, None
-        for ci, i in self.direct.items():
-            if i != last:
-                g = self.params[i].grad
-                flat_grad, last = (g if g.is_contiguous() else g.contiguous()).view(-1), i
-            s, e = self.chunk_bounds[ci]
-            self.chunks[ci].grad = flat_grad[s - self.offsets[i]:e - self.offsets[i]]
-
-    def release_direct_grads(self):
-        """Drop those views, so a grad the user frees is not kept alive by a chunk."""
-        for ci in self.direct:
-            self.chunks[ci].grad = None
 
     def _span(self, s, e):
         """Indices [i0, i1) of the parameters overlapping flat range [s, e)."""

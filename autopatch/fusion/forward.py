@@ -1,8 +1,10 @@
 """Mode forward: step() records the update; each module applies it just before it next runs.
 
-At ``step()`` the grads are copied into flat buffers and the update of every fused chunk is left
-pending, with a snapshot of the group's hyperparameters (a scheduler stepping in between must not
-change it). A global module forward pre-hook applies the pending chunks holding a module's own
+At ``step()`` each fused chunk takes hold of its gradient (a chunk of one parameter keeps that
+grad, one of several moves theirs into one buffer and their ``.grad`` become views of it, so nothing
+is copied twice) and its update is left pending, with a snapshot of the group's hyperparameters (a
+scheduler stepping in between must not change it). ``zero_grad()`` then drops the parameters'
+references as usual and each chunk's gradient memory is freed once its update has run. A global module forward pre-hook applies the pending chunks holding a module's own
 parameters right before that module's forward, while its weights are about to be read anyway.
 Whatever is still pending is applied before anything could observe stale weights: the next
 ``step()``, ``state_dict()`` of the optimizer or of any module, ``torch.save``, ``flush()`` and
@@ -10,6 +12,9 @@ Whatever is still pending is applied before anything could observe stale weights
 
 Parameters read outside their own module's forward before it runs (a weight shared by a functional
 call, an EMA update right after ``step()``) would be stale: mode ``auto`` checks for that first.
+A pending gradient written in place before its update runs (``zero_grad(set_to_none=False)`` is
+flushed first by the runtime; anything else) would change the update: that is caught by the
+tensor's version counter and is an error, never a silently different result.
 """
 
 import torch
@@ -24,9 +29,8 @@ class ForwardFusion:
     def __init__(self, optimizer, chunk_bytes, owned_storages=None):
         self.opt = optimizer
         self.raw_step = raw_step_of(optimizer)
-        self.planner = MultiLayerStep(optimizer, chunk_bytes, align=True, grad_buffer=True,
-                                      owned_storages=owned_storages)
-        self.pending = {}      # (id(run), ci) -> (group index, run, ci)
+        self.planner = MultiLayerStep(optimizer, chunk_bytes, align=True, owned_storages=owned_storages)
+        self.pending = {}      # (id(run), ci) -> (group index, run, ci, version of its grad)
         self.by_param = {}     # id(param) -> (id(run), ci) while its chunk is pending
         self.hparams = {}      # group index -> hyperparameters of the step that recorded
         self.swapped = []
@@ -42,12 +46,8 @@ class ForwardFusion:
         self.flush()
         if self.planner.needs_plan():
             self.planner.plan()
-        dst, src = [], []
         for gi, (plan, group) in enumerate(zip(self.planner.plans, self.opt.param_groups)):
             deferred, now, partial = split_by_grads(plan.runs)
-            for run in deferred:
-                dst += run.grad_views
-                src += [p.grad for p in run.params]
             if partial:
                 self.planner.dirty = True
                 self.fallback_steps += partial
@@ -55,16 +55,15 @@ class ForwardFusion:
                 continue
             self.hparams[gi] = hyperparameters(group)
             for run in deferred:
+                run.bind_grads(range(len(run.chunks)))
                 for ci, (i0, i1) in enumerate(run.chunk_spans):
                     key = (id(run), ci)
-                    self.pending[key] = (gi, run, ci)
+                    self.pending[key] = (gi, run, ci, run.chunks[ci].grad._version)
                     for p in run.params[i0:i1]:
                         self.by_param[id(p)] = key
             self.swapped.append((group, group["params"]))
             group["params"] = now + plan.rest
-        if dst:
-            with torch.no_grad():
-                torch._foreach_copy_(dst, src)
+        if self.swapped:
             self.deferred += 1
         return None
 
@@ -88,10 +87,20 @@ class ForwardFusion:
 
     def _apply(self, keys):
         items = [self.pending.pop(k) for k in keys]
-        hp = {gi: self.hparams[gi] for gi, _, _ in items}
-        step_chunks(self.opt, self.raw_step, [(gi, run.chunks[ci], run.chunk_states[ci])
-                                              for gi, run, ci in items], hp)
-        for gi, run, ci in items:
+        for _, run, ci, version in items:
+            if run.chunks[ci].grad._version != version:
+                raise RuntimeError(
+                    f"autopatch mode 'forward': {type(self.opt).__qualname__}: a gradient was "
+                    "changed in place after optimizer.step() and before its deferred update ran; "
+                    "use mode 'multi_layer' or 'auto', or call autopatch.flush() before changing it")
+        hp = {gi: self.hparams[gi] for gi, _, _, _ in items}
+        try:
+            step_chunks(self.opt, self.raw_step, [(gi, run.chunks[ci], run.chunk_states[ci])
+                                                  for gi, run, ci, _ in items], hp)
+        finally:
+            for _, run, ci, _ in items:
+                run.release_grads((ci,))
+        for gi, run, ci, _ in items:
             i0, i1 = run.chunk_spans[ci]
             for p in run.params[i0:i1]:
                 self.by_param.pop(id(p), None)

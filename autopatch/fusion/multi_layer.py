@@ -11,6 +11,7 @@ import time
 import torch
 
 from .chunk_step import raw_step_of
+from .chunking import bounded_chunk_bytes
 from .flat import FlatRun, state_signature
 
 
@@ -61,8 +62,7 @@ class MultiLayerStep:
 
     mode = "multi_layer"
 
-    def __init__(self, optimizer, chunk_bytes, align=False, grad_buffer=True, owned_storages=None,
-                 compile=False):
+    def __init__(self, optimizer, chunk_bytes, align=False, owned_storages=None, compile=False):
         self.opt = optimizer
         # compile: run the fused step through torch.compile (one pass over memory for any
         # elementwise optimizer); the first call's time is the compile time; failures fall back.
@@ -70,16 +70,15 @@ class MultiLayerStep:
         self.compiled = None
         self.compile_seconds = None
         self.compile_error = None
-        self.chunk_bytes = int(chunk_bytes)
-        self.run_options = dict(align=align, grad_buffer=grad_buffer)
+        self.chunk_bytes = int(chunk_bytes)     # as asked for; ``chunk_bytes_used`` after the cap
+        self.chunk_bytes_used = None
+        self.run_options = dict(align=align)
         # Storages of flat buffers built for this optimizer (by any mode): params living there
         # may be re-flattened, while params sharing a foreign buffer are left alone.
         self.owned = set() if owned_storages is None else owned_storages
         self.plans = None
         self.swapped = []
         self.dirty = True
-        self.rebind_grads = True
-        self._rebound_last = False
         self.excluded = {}          # reason -> count of parameters left out of fusion
         self.fused_steps = 0
         self.fallback_steps = 0
@@ -103,11 +102,11 @@ class MultiLayerStep:
         storage_users = {}
         for g in self.opt.param_groups:
             for p in g["params"]:
-                k = p.untyped_storage().data_ptr()
-                storage_users[k] = storage_users.get(k, 0) + 1
+                if unfusable_param(p) is None:
+                    k = p.untyped_storage().data_ptr()
+                    storage_users[k] = storage_users.get(k, 0) + 1
         self.excluded = {}
-        chunk_cache = {}
-        plans = []
+        groups = []
         for group in self.opt.param_groups:
             plan = _GroupPlan(group)
             buckets = {}
@@ -121,13 +120,17 @@ class MultiLayerStep:
                     plan.rest.append(p)
                     continue
                 buckets.setdefault((p.dtype, p.device, sig), []).append(p)
+            groups.append((plan, buckets))
+        fused_bytes = sum(p.numel() * p.element_size() for _, buckets in groups
+                          for params in buckets.values() for p in params)
+        self.chunk_bytes_used = bounded_chunk_bytes(self.chunk_bytes, fused_bytes)
+        for plan, buckets in groups:
             for (dtype, _, sig), params in buckets.items():
-                elems = chunk_cache.setdefault(dtype, max(1, self.chunk_bytes // torch.empty(0, dtype=dtype).element_size()))
+                elems = max(1, self.chunk_bytes_used // params[0].element_size())
                 states = [self.opt.state[p] for p in params] if sig else None
                 plan.runs.append(FlatRun(params, states, elems, **self.run_options))
-            plans.append(plan)
-        self.plans = plans
-        self.owned.update(run.flat.untyped_storage().data_ptr() for plan in plans for run in plan.runs)
+        self.plans = [plan for plan, _ in groups]
+        self.owned.update(run.flat.untyped_storage().data_ptr() for plan in self.plans for run in plan.runs)
         self.dirty = False
         self.replans += 1
 
@@ -147,7 +150,7 @@ class MultiLayerStep:
 
     # -- the step -----------------------------------------------------------------------------
     def swap_in(self):
-        """Gather grads into the flat buffers and put chunks in place of fused params.
+        """Give the chunks their grads and put them in place of the fused params.
 
         A run fuses when every one of its params has a dense grad. A run where none has one
         (an unused head) is simply skipped, as the optimizer would skip it. A run where only some
@@ -158,56 +161,38 @@ class MultiLayerStep:
             return
         if self.needs_plan():
             self.plan()
-        copies_dst, copies_src = [], []
         for plan, group in zip(self.plans, self.opt.param_groups):
             if not plan.runs:
                 continue
             fused, unfused, partial = split_by_grads(plan.runs)
-            for run in fused:
-                run.bind_direct_grads()
-                # grads rebound to flat views last step (set_to_none=False) need no copy
-                pairs = [(gv, p.grad) for p, gv in zip(run.params, run.grad_views)
-                         if gv is not None and p.grad is not gv]
-                copies_dst += [gv for gv, _ in pairs]
-                copies_src += [g for _, g in pairs]
             if partial:
                 self.dirty = True
                 self.fallback_steps += partial
                 self.last_fallback = "some parameters of a run had no gradient, or a sparse one"
             if not fused:
                 continue
+            for run in fused:
+                run.bind_grads(range(len(run.chunks)))
             group["params"] = [c for run in fused for c in run.chunks] + unfused + plan.rest
             for run in fused:
                 for c, cs in zip(run.chunks, run.chunk_states):
                     self.opt.state[c] = cs
             self.swapped.append((group, plan, fused))
-        if copies_dst:
-            if self._rebound_last:
-                self.rebind_grads = False   # grads are recreated each step (set_to_none=True)
-            with torch.no_grad():
-                torch._foreach_copy_(copies_dst, copies_src)
         if self.swapped:
             self.fused_steps += 1
 
     def restore(self):
         """Put the user's params back and keep per-parameter state in step with the flat state."""
         swapped, self.swapped = self.swapped, []
-        rebound = False
         for group, plan, fused in swapped:
             group["params"] = plan.original
             for run in fused:
-                run.release_direct_grads()
+                run.release_grads()
                 for c in run.chunks:
                     self.opt.state.pop(c, None)
                 why = run.sync(self.opt.state.__getitem__)
                 if why:
                     raise NotFusable(f"{type(self.opt).__qualname__} cannot be fused: {why}")
-                if self.rebind_grads:
-                    for p, gv in zip(run.params, run.grad_views):
-                        if gv is not None and p.grad is not gv:
-                            p.grad = gv
-                    rebound = True
-        self._rebound_last = rebound
 
     def invalidate(self):
         """State or params were replaced from outside (load_state_dict, add_param_group)."""
@@ -273,9 +258,9 @@ class MultiLayerStep:
             "chunks": sum(len(r.chunks) for r in runs),
             "fused_params": sum(len(r.params) for r in runs),
             "flat_bytes": sum(r.numel * r.flat.element_size() for r in runs),
-            "gathered_grad_bytes": sum(r.flat_grad.numel() * r.flat_grad.element_size()
-                                       for r in runs if r.flat_grad is not None),
-            "chunk_bytes": self.chunk_bytes,
+            "gathered_params": sum(r.gathered_params for r in runs),
+            "chunk_bytes": self.chunk_bytes_used,
+            "chunk_bytes_requested": self.chunk_bytes,
             "replans": self.replans,
             "excluded_params": dict(self.excluded),
         }

@@ -75,14 +75,12 @@ def _run(opt, params, grads, how):
         else:
             if planner.needs_plan():
                 planner.plan()
-            for plan in planner.plans:
-                for run in plan.runs:
-                    for p, gv in zip(run.params, run.grad_views):
-                        gv.copy_(p.grad)
             for gi, plan in enumerate(planner.plans):
                 for run in plan.runs:
                     for ci, chunk in enumerate(run.chunks):
+                        run.bind_grads((ci,))
                         step_chunks(opt, raw, [(gi, chunk, run.chunk_states[ci])])
+                        run.release_grads((ci,))
                         run.sync(opt.state.__getitem__, [ci])
 
 
