@@ -8,6 +8,8 @@ modules have run, and a ``TorchFunctionMode`` (active only while observing, neve
 ``step()``) sees every torch operation that touches a parameter or a gradient.
 """
 
+import weakref
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -15,6 +17,9 @@ from torch.overrides import TorchFunctionMode
 _METADATA = {"__get__", "__set__", "size", "dim", "numel", "element_size", "is_floating_point",
              "is_complex", "data_ptr", "untyped_storage", "stride", "storage_offset",
              "is_contiguous", "requires_grad_", "__len__", "__hash__", "_set_grad_enabled"}
+# What zero_grad(set_to_none=False) does to a grad: harmless to both modes (backward fusion has
+# freed the grads by then; forward fusion applies its pending updates before zeroing).
+_ZEROING = {"zero_", "_foreach_zero_", "detach_"}
 
 ACCUMULATION = "several backward passes before one step() (gradient accumulation, or a step skipped by GradScaler)"
 DOUBLE_BACKWARD = "backward with create_graph=True"
@@ -23,9 +28,12 @@ CLOSURE = "closure-based step()"
 GRAD_READ = "gradients used between backward and step() (clipping, GradScaler, logging)"
 PARAM_READ_AFTER_BACKWARD = "parameters used between backward and step()"
 PARAM_READ_EARLY = "a parameter is used after step() before its own module runs"
+GRAD_USED_AFTER_STEP = "gradients used after step() (backward fusion frees them inside backward)"
+GRAD_WRITE_AFTER_STEP = "gradients changed in place after step() (a deferred update still needs them)"
 
-BACKWARD_BLOCKERS = (ACCUMULATION, DOUBLE_BACKWARD, SPARSE, CLOSURE, GRAD_READ, PARAM_READ_AFTER_BACKWARD)
-FORWARD_BLOCKERS = (CLOSURE, SPARSE, PARAM_READ_EARLY)
+BACKWARD_BLOCKERS = (ACCUMULATION, DOUBLE_BACKWARD, SPARSE, CLOSURE, GRAD_READ, PARAM_READ_AFTER_BACKWARD,
+                     GRAD_USED_AFTER_STEP)
+FORWARD_BLOCKERS = (CLOSURE, SPARSE, PARAM_READ_EARLY, GRAD_WRITE_AFTER_STEP)
 
 
 class _Watch(TorchFunctionMode):
@@ -35,8 +43,9 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) not in _METADATA:
-            self.observation.saw(args, kwargs)
+        name = getattr(func, "__name__", None)
+        if name not in _METADATA:
+            self.observation.saw(args, kwargs, name)
         return func(*args, **kwargs)
 
 
@@ -56,6 +65,7 @@ class Observation:
         self.param_ids = {id(p) for p in self.params}
         self.findings = {}
         self.got_grad, self.entered, self.grad_ids = set(), set(), set()
+        self.stepped_grads = {}   # id -> weakref of the grads step() used, until the next backward
         self.in_backward = self.after_backward = False
         self.watch = None
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -78,6 +88,7 @@ class Observation:
             self._note(SPARSE)
         if not self.in_backward:
             self.in_backward = True
+            self.stepped_grads = {}
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self):
@@ -88,9 +99,14 @@ class Observation:
     def _on_module(self, module, args):
         self.entered.update(id(p) for p in module._parameters.values() if p is not None)
 
-    def saw(self, args, kwargs):
+    def saw(self, args, kwargs, name):
         for t in _tensors(args, kwargs):
             tid = id(t)
+            ref = self.stepped_grads.get(tid)
+            if ref is not None and ref() is t and name not in _ZEROING:
+                self._note(GRAD_USED_AFTER_STEP)
+                if name and name.endswith("_") and not name.endswith("__"):
+                    self._note(GRAD_WRITE_AFTER_STEP)
             if tid in self.param_ids:
                 if self.after_backward:
                     self._note(PARAM_READ_AFTER_BACKWARD)
@@ -116,6 +132,7 @@ class Observation:
         self.got_grad.clear()
         self.entered.clear()
         self.grad_ids = set()
+        self.stepped_grads = {id(p.grad): weakref.ref(p.grad) for p in self.params if p.grad is not None}
         self.after_backward = False
         if not self.done:
             self.watch = _Watch(self)

@@ -114,6 +114,8 @@ class Runtime:
         for owner, name in ((torch.nn.Module, "state_dict"), (torch.nn.Module, "load_state_dict"),
                             (torch, "save"), (torch.serialization, "save")):
             self.ledger.wrap(owner, name, self._flush_first)
+        for owner in (torch.nn.Module, torch.optim.Optimizer):
+            self.ledger.wrap(owner, "zero_grad", self._flush_before_zeroing)
         self._forward_hooks = True
 
     def _before_module(self, module, args):
@@ -123,6 +125,12 @@ class Runtime:
 
     def _flush_first(self, wrapped, instance, args, kwargs):
         if self.forward_fusions:
+            self.flush()
+        return wrapped(*args, **kwargs)
+
+    def _flush_before_zeroing(self, wrapped, instance, args, kwargs):
+        """``zero_grad(set_to_none=False)`` zeroes the grads a deferred update still needs."""
+        if self.forward_fusions and not kwargs.get("set_to_none", args[0] if args else True):
             self.flush()
         return wrapped(*args, **kwargs)
 

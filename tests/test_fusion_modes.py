@@ -101,6 +101,14 @@ def ema_after_step(model, opt, data, sched):
     return plain(model, opt, data, sched, after_step=update_ema) + [e.sum().item() for e in ema]
 
 
+def grad_norms_after_step(model, opt, data, sched):
+    """Logs the gradient norm after step(), as many training loops do."""
+    norms = []
+    out = plain(model, opt, data, sched,
+                after_step=lambda: norms.append(sum(p.grad.norm().item() for p in model.parameters())))
+    return out + norms
+
+
 class Shared(nn.Module):
     """A module used twice per forward, a frozen layer, and a branch unused on odd steps."""
 
@@ -130,6 +138,7 @@ SCENARIOS = {
     "accumulation": (mlp, accumulation),
     "closure": (mlp, closure),
     "ema_after_step": (mlp, ema_after_step),
+    "grad_norms_after_step": (mlp, grad_norms_after_step),
     "shared_frozen_unused": (Shared, plain),
 }
 
@@ -141,6 +150,7 @@ SAFE = {
     "accumulation": {"forward"},
     "closure": set(),
     "ema_after_step": {"backward"},
+    "grad_norms_after_step": {"forward"},
     "shared_frozen_unused": {"backward", "forward"},
 }
 
@@ -233,6 +243,18 @@ def test_forward_mode_defers_until_the_module_runs_and_flushes_before_save():
         buf = io.BytesIO()
         torch.save(model.state_dict(), buf)                                      # flushes
         assert not all(torch.equal(a, b) for a, b in zip(before, weights(model)))
+
+
+def test_forward_mode_rejects_a_pending_gradient_changed_in_place():
+    """The deferred update needs the gradients step() saw: one written in place before it runs is
+    an error, not a silently different update (zero_grad(set_to_none=False) is flushed first)."""
+    with settled_in("forward") as (model, opt, (x, y)):
+        opt.zero_grad(set_to_none=False)
+        loss_of(model, x, y).backward()
+        opt.step()
+        next(model.parameters()).grad.mul_(2.0)
+        with pytest.raises(RuntimeError, match="changed in place after optimizer.step"):
+            loss_of(model, x, y)
 
 
 @pytest.mark.parametrize("mode", ["backward", "forward", "auto"])
