@@ -7,6 +7,7 @@ the report). Each rank feeds different data, so the averaging matters.
 
 import contextlib
 import datetime
+import gc
 import os
 import sys
 import time
@@ -18,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import autopatch
 from autopatch.comm.allreduce import CommunicationError, LayoutMismatch
+from memory import TensorMemory
 
 WIDTH = 32
 SUITE, RANK, INIT_FILE, OUT = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -168,6 +170,13 @@ def equivalence():
         res[f"hierarchical_{nodes}"] = job(on(hierarchical=True, bucket_bytes=8192))
         res[f"hierarchical_{nodes}_fp16"] = job(on(hierarchical=True, compression="fp16"))
 
+    for mode in ("off", "backward"):
+        # Now and then a collective's buffers outlive it inside gloo for a while: the least of
+        # three runs is the job's own memory.
+        runs = [steady_peak(mode) for _ in range(3)]
+        res[f"peak_{mode}"] = dict(runs[0], peak=min(r["peak"] for r in runs),
+                                   after_backward=min(r["after_backward"] for r in runs))
+
     prebuilt = DDP(batchnorm_mlp())
     res["adopted_then_disabled"] = job(on(bucket_bytes=1024), prebuilt=prebuilt, steps=2)
     res["adopted_then_disabled"]["after"] = job(prebuilt=prebuilt, steps=2)
@@ -184,6 +193,40 @@ def equivalence():
     res["static_graph"] = job(on(), ddp_kwargs={"static_graph": True})
     res["disabled_policy"] = job({"mode": "off", "allreduce": {"enabled": False}})
     return res
+
+
+def steady_peak(mode, width=512, layers=8):
+    """Tensor memory of a DDP job taken over by autopatch's allreduce (64 KiB buckets) in
+    ``mode``: the most bytes held at once over two steady-state steps, the bytes held right after
+    a backward, and the job's gradient bytes."""
+    autopatch.enable(mode=mode, fusion={"observe_steps": 1},
+                     allreduce={"enabled": True, "bucket_bytes": 65536})
+    gc.collect()     # earlier runs' tensors (kept for their report until this enable()) are freed now
+    with TensorMemory() as tm:
+        try:
+            torch.manual_seed(0)
+            net = DDP(nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]))
+            opt = torch.optim.Adam(net.parameters(), lr=0.01)
+            x = batch(0)[0].repeat(4, width // WIDTH)
+
+            def step(between=None):
+                opt.zero_grad()
+                net(x).square().mean().backward()
+                if between is not None:
+                    with between:
+                        pass
+                opt.step()
+            for _ in range(4):
+                step()
+            with tm.window():
+                step(tm.window())
+                step()
+            ran = autopatch.report()["optimizers"][0]["mode"]
+        finally:
+            autopatch.disable()
+    peak, after_backward = tm.peaks()
+    return {"peak": peak, "after_backward": after_backward, "grad_bytes": layers * width * width * 4,
+            "mode": ran}
 
 
 def expect_error(fn):

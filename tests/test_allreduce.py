@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from autopatch.comm.compression import error_bound
+from autopatch.fusion.chunking import BACKWARD_WINDOW
 from conftest import TESTS, clean_env, run_python, write_script
 
 SPAWN_TIMEOUT = 150
@@ -359,3 +360,16 @@ def test_disable_restores_the_ddp_class(ap):
     ap.enable(allreduce={"enabled": False})
     assert vars(DDP)["forward"] is before["forward"]
     assert ap.report()["allreduce"] == {"active": False, "reason": "allreduce.enabled is false"}
+
+
+def test_backward_fusion_frees_each_bucket_once_its_chunks_are_updated(equivalence):
+    """Across processes too, a bucket's buffer is freed once the chunks it feeds are updated:
+    after backward no gradient memory is left, where without backward fusion all of it is (until
+    zero_grad, as in DDP). During backward the gradients alive are those of the buckets still in
+    flight, which depends on the network, so the peak can only be bounded by the worst case: all
+    of them in flight, plus the optimizer's temporaries over one chunk (at most the window)."""
+    for rank in (0, 1):
+        off, fused = equivalence[rank]["peak_off"], equivalence[rank]["peak_backward"]
+        assert (off["mode"], fused["mode"]) == ("off", "backward")
+        assert fused["after_backward"] <= off["after_backward"] - 0.99 * off["grad_bytes"], (fused, off)
+        assert fused["peak"] <= off["peak"] + 3 * BACKWARD_WINDOW, (fused, off)

@@ -3,8 +3,9 @@
 A synchronised backward:
 
 1. Each parameter's post-accumulate-grad hook writes its gradient, times 1/world, into the
-   parameter's view of a flat buffer (one multiply, or an in-place scale when ``.grad`` already is
-   that view, as after ``zero_grad(set_to_none=False)``) and makes the view its ``.grad``.
+   parameter's view of its bucket's buffer for this step (one multiply, or an in-place scale when
+   ``.grad`` already is that view, as after ``zero_grad(set_to_none=False)``) and makes the view
+   its ``.grad``. Only those views keep a bucket's buffer once it is averaged (see buckets.py).
 2. Once every gradient of a bucket is in, the bucket and any full ones after it are launched, in
    bucket order, with ``async_op=True`` while backward goes on.
 3. An autograd-engine callback at the end of backward (DDP's own mechanism) launches what is left
@@ -19,7 +20,7 @@ A synchronised backward:
    used-parameter bitmap says which parameters any rank used.
 
 The first synchronised backward only records the order gradients arrive in. Rank 0's order is
-broadcast, the flat buffers are laid out in it, and that step is reduced at its end without
+broadcast, the buckets are laid out in it, and that step is reduced at its end without
 overlap. Every synchronised backward starts with a small all-gather of a layout checksum at its first
 hook, and the step's first bucket is launched only once the checksums agree (the round trip
 overlaps the computation of that bucket's gradients). Ranks whose layouts differ raise
@@ -36,14 +37,16 @@ the last synchronised step is summed across ranks, and a parameter no rank used 
 as it is in DDP.
 """
 
+import collections
 import datetime
 import functools
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
 
-from .buckets import FlatGradients, layout_checksum, plan_buckets
+from .buckets import GradientLayout, layout_checksum, plan_buckets
 from .collectives import Averager, all_gather_into
 from .compression import COMPRESSIONS
 from .hierarchy import build_topology
@@ -75,8 +78,9 @@ class BucketedAllreduce:
                          "hierarchical": bool(hierarchical)}
         self.topology = build_topology(self.device) if hierarchical else None
         self._pending = {}
-        self.flat = None
+        self.layout = None
         self.buckets = []
+        self._held = {}        # bucket -> (weakref to its last buffer, weakrefs to its views)
         self.averager = None
         self.checksum = None
         self.bytes_per_step = 0
@@ -120,6 +124,7 @@ class BucketedAllreduce:
         self._inflight = []
         self._check = None
         self._finished = [False] * len(self.buckets)
+        self._buffers = {}     # bucket -> (buffer, views) of this step, until the bucket is finished
         self._listener_error = None
 
     def _on_grad(self, i, param):
@@ -128,7 +133,7 @@ class BucketedAllreduce:
             return
         if not self._in_backward:
             self._begin_backward()
-        if self.flat is None:
+        if self.layout is None:
             self._first_order.append(i)
             return
         if self._contributed[i]:
@@ -148,7 +153,7 @@ class BucketedAllreduce:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self._pending:
             self._apply_settings()
-        if self.flat is not None:
+        if self.layout is not None:
             self._launch_check()
 
     def _apply_settings(self):
@@ -156,11 +161,30 @@ class BucketedAllreduce:
         self._pending = {}
         if self.settings["hierarchical"] and self.topology is None:
             self.topology = build_topology(self.device)
-        if self.flat is not None:
+        if self.layout is not None:
             self._relayout()
 
+    def _views(self, b):
+        """Bucket ``b``'s buffer and views for this step: last step's when every one of its
+        parameters still holds its view as ``.grad`` (``zero_grad(set_to_none=False)``), else new."""
+        got = self._buffers.get(b)
+        if got is not None:
+            return got[1]
+        held = self._held.get(b)
+        if held is not None:
+            buf, views = held[0](), [v() for v in held[1]]
+            if buf is not None and all(v is not None and self.params[i].grad is v
+                                       for i, v in zip(self.buckets[b].params, views)):
+                self._buffers[b] = (buf, views)
+                return views
+        buf, views = self.buckets[b].new_buffer()
+        self._buffers[b] = (buf, views)
+        self._held[b] = (weakref.ref(buf), [weakref.ref(v) for v in views])
+        return views
+
     def _contribute(self, i):
-        p, view = self.params[i], self.flat.views[i]
+        b = self.bucket_of[i]
+        p, view = self.params[i], self._views(b)[self.position[i]]
         g = p.grad
         if g is view:
             view.mul_(1.0 / self.world)
@@ -180,13 +204,13 @@ class BucketedAllreduce:
 
     def _launch(self, b):
         self._verify_layout()
-        phases = self.averager.phases(self.buckets[b].tensor)
+        phases = self.averager.phases(self._buffers[b][0])
         self._inflight.append((phases, next(phases), b))
         self._next_bucket = b + 1
 
     def _end_backward(self):
         try:
-            if self.flat is None:
+            if self.layout is None:
                 self._first_layout()
             self._verify_layout()
             missing = self._contribute_the_rest()
@@ -221,22 +245,25 @@ class BucketedAllreduce:
         src = dist.get_global_rank(self.group, 0)
         self._wait(dist.broadcast(order, src=src, group=self.group, async_op=True),
                    "the broadcast of rank 0's gradient order")
-        self.flat = FlatGradients(self.params, order.tolist())
+        self.layout = GradientLayout(self.params, order.tolist())
         self._relayout()
         self._launch_check()
 
     def _relayout(self):
         s = self.settings
-        self.buckets = plan_buckets(self.flat, s["bucket_bytes"])
+        self.buckets = plan_buckets(self.layout, self.params, s["bucket_bytes"])
+        self._held = {}
         self.bucket_of = [0] * len(self.params)
+        self.position = [0] * len(self.params)     # i -> its place in its bucket
         for b in self.buckets:
-            for i in b.params:
-                self.bucket_of[i] = b.index
+            for n, i in enumerate(b.params):
+                self.bucket_of[i], self.position[i] = b.index, n
         topology = self.topology if s["hierarchical"] else None
         self.averager = Averager(self.group, s["compression"], topology)
         self.checksum = layout_checksum(self.params, self.buckets, self.world, s["bucket_bytes"],
                                         s["compression"], s["hierarchical"])
-        self.bytes_per_step = sum(self.averager.bytes_sent(b.tensor) for b in self.buckets)
+        self.bytes_per_step = sum(self.averager.bytes_sent(torch.empty(b.numel, dtype=b.dtype, device="meta"))
+                                  for b in self.buckets)
         self._missing = [len(b.params) for b in self.buckets]
         self._finished = [False] * len(self.buckets)
         self.layouts += 1
@@ -299,10 +326,11 @@ class BucketedAllreduce:
     def _drain(self, finish):
         """Wait for every bucket, phase by phase, in bucket order; with ``finish``, hand each
         bucket over as soon as its last phase is done."""
-        pending, self._inflight = self._inflight, []
+        pending, self._inflight = collections.deque(self._inflight), []
         while pending:
-            later = []
-            for phases, work, b in pending:
+            later = collections.deque()
+            while pending:     # popped, so a finished bucket's work (which holds its buffer) is let go
+                phases, work, b = pending.popleft()
                 self._wait(work, f"bucket {b} of {len(self.buckets)}")
                 work = next(phases, None)
                 if work is not None:
@@ -333,13 +361,15 @@ class BucketedAllreduce:
         """Bucket ``b`` is averaged: its parameters' ``.grad`` become their views of it (except,
         with ``find_unused``, those no rank used, which keep their ``.grad`` as DDP leaves it)."""
         self._finished[b] = True
+        _, views = self._buffers.pop(b)
         done = []
-        for i in self.buckets[b].params:
+        for i, view in zip(self.buckets[b].params, views):
             if used is None or used[i]:
-                p, view = self.params[i], self.flat.views[i]
+                p = self.params[i]
                 if p.grad is not view:
                     p.grad = view
                 done.append(p)
+        del views
         if done and self.on_averaged is not None and self._listener_error is None:
             try:
                 self.on_averaged(done)

@@ -1,23 +1,26 @@
-"""The bucket layout over flat gradient buffers.
+"""The bucket layout: which gradients share a bucket, and the buffer each bucket gets per step.
 
-Gradients live in one flat buffer per (dtype, device), laid out in the order they become ready in
-backward, so each bucket is one contiguous slice: reducing it is one collective on a view, with no
-gather or scatter copy. Changing the bucket size only moves slice boundaries; the buffers and every
-parameter's gradient view stay where they are.
+Gradients are laid out per (dtype, device) in the order they become ready in backward, and each
+bucket is a contiguous range of that layout: reducing it is one collective on one buffer, with no
+gather or scatter copy. A bucket's buffer is made when its first gradient of a step arrives and
+is held afterwards only by the parameters' ``.grad`` (their views of it): ``zero_grad()`` frees it
+as it frees ordinary grads, and backward fusion frees it once its chunks are updated, so between
+steps no gradient memory is kept, and during backward only the buckets in flight. Changing the
+bucket size only moves range boundaries.
 """
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
-class FlatGradients:
-    """One zeroed flat buffer per (dtype, device); ``views[i]`` is parameter ``i``'s gradient in it."""
+class GradientLayout:
+    """``span[i]``: parameter ``i``'s (dtype, device) and [start, end) elements in ready order."""
 
     def __init__(self, params, order):
         self.order = list(order)
-        self.span = [None] * len(params)     # i -> (key, start, end) in elements
+        self.span = [None] * len(params)
         sizes = {}
         for i in self.order:
             p = params[i]
@@ -25,23 +28,29 @@ class FlatGradients:
             start = sizes.get(key, 0)
             sizes[key] = start + p.numel()
             self.span[i] = (key, start, sizes[key])
-        self.buffers = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
-        self.views = [self.buffers[key][s:e].view(params[i].shape) for i, (key, s, e) in enumerate(self.span)]
 
 
 @dataclass
 class Bucket:
     index: int
     params: list          # parameter indices, in ready order
-    tensor: torch.Tensor  # the contiguous slice of a flat buffer holding their gradients
+    dtype: torch.dtype
+    device: torch.device
+    numel: int
+    views: list = field(default_factory=list)   # per parameter: (shape, stride, offset) in the buffer
 
     @property
     def nbytes(self):
-        return self.tensor.numel() * self.tensor.element_size()
+        return self.numel * self.dtype.itemsize
+
+    def new_buffer(self):
+        """A buffer for one step, and each parameter's view of it (in ``params`` order)."""
+        buf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return buf, [buf.as_strided(*v) for v in self.views]
 
 
-def plan_buckets(flat, bucket_bytes):
-    """Cut the flat buffers into buckets of about ``bucket_bytes``, in ready order.
+def plan_buckets(layout, params, bucket_bytes):
+    """Cut the layout into buckets of about ``bucket_bytes``, in ready order.
 
     A bucket closes once it reaches ``bucket_bytes`` (a larger parameter gets a bucket of its own).
     Buckets are numbered in the order they close, which is the order their last gradient arrives,
@@ -49,8 +58,8 @@ def plan_buckets(flat, bucket_bytes):
     """
     open_runs = {}     # key -> ([param indices], bytes so far)
     closed = []
-    for i in flat.order:
-        key, start, end = flat.span[i]
+    for i in layout.order:
+        key, start, end = layout.span[i]
         run, nbytes = open_runs.get(key, ([], 0))
         run.append(i)
         nbytes += (end - start) * key[0].itemsize
@@ -59,13 +68,14 @@ def plan_buckets(flat, bucket_bytes):
             open_runs.pop(key, None)
         else:
             open_runs[key] = (run, nbytes)
-    position = {i: n for n, i in enumerate(flat.order)}
+    position = {i: n for n, i in enumerate(layout.order)}
     closed += sorted((run for run, _ in open_runs.values()), key=lambda run: position[run[-1]])
     buckets = []
     for index, run in enumerate(closed):
-        key, start, _ = flat.span[run[0]]
-        end = flat.span[run[-1]][2]
-        buckets.append(Bucket(index, run, flat.buffers[key][start:end]))
+        (dtype, device), first, _ = layout.span[run[0]]
+        views = [(params[i].shape, torch.empty(params[i].shape, device="meta").stride(),
+                  layout.span[i][1] - first) for i in run]
+        buckets.append(Bucket(index, run, dtype, device, layout.span[run[-1]][2] - first, views))
     return buckets
 
 
