@@ -133,6 +133,8 @@ SHAPES = {
                           "bos_token_id": 0, "eos_token_id": 0}, "max_model_seq": 32},
 }
 CPU_MEMORY_CAP = 96 * MiB   # --max-model on CPU: the data segment may grow this much past start-up
+# How running out of memory reads when it does not raise torch's OutOfMemoryError or MemoryError.
+OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "bad_alloc", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
 def shapes(device):
@@ -244,7 +246,7 @@ def fusion_mode(mode, name=None, label=None, **overrides):
 
 UNPATCHED = Contender("unpatched", "unpatched (torch default)")
 TABLE = [UNPATCHED,
-         Contender("twin", "unpatched, second process"),
+         Contender("twin", "unpatched, second process (noise)"),
          Contender("foreach_off", "unpatched foreach=False", options=(("foreach", False),)),
          Contender("fused", "unpatched fused=True", options=(("fused", True),)),
          *[fusion_mode(m) for m in EXACT_MODES],
@@ -520,11 +522,16 @@ def max_model_worker(conn, mode_name, layers, opts):
                    if mode_name != "unpatched" else None)
     except BaseException as e:
         text = str(e)
-        oom = isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or "can't allocate memory" in text
-        out.update(fits=False, oom=oom, error=f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
+        oom = (isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError))
+               or any(sign in text for sign in OUT_OF_MEMORY))
+        out.update(fits=False, oom=oom, failure=f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
         if not oom:
             out["trace"] = traceback.format_exc()
     conn.send(out)
+
+
+def count(n):
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
 def status_kib(field):
@@ -571,7 +578,7 @@ class Worker:
             self.proc.join()
 
 
-def measure(ctx, key, contenders, opts, log):
+def measure(ctx, key, contenders, opts):
     """All contenders of one workload, taking turns; per contender its raw figures or why it has none."""
     results, live = {}, {}
     for c in contenders:
@@ -663,8 +670,6 @@ def figures(results):
         ratios = round_ratios(r["rounds"][:n], ref["rounds"][:n], seconds=lambda s: s[0])
         out[name] = {"step_ms": median_ms([s[0] for s in steps]), "opt_ms": median_ms([s[1] for s in steps]),
                      "ratio": statistics.median(ratios), "ratio_q": quartiles(ratios),
-                     "opt_ratio": statistics.median(round_ratios(r["rounds"][:n], ref["rounds"][:n],
-                                                                 seconds=lambda s: s[1])),
                      "peak_mib": max(r["peaks"]) / MiB, "rounds": n}
     for f in out.values():
         f["peak_delta_mib"] = f["peak_mib"] - out["unpatched"]["peak_mib"]
@@ -700,13 +705,14 @@ def check_text(name, c):
 
 
 def table(title, rows_by_key, device, checks=None, sync=True):
-    """One Markdown table for the run: a row per workload x contender."""
+    """One Markdown table for the run: a row per workload x contender (a key may name the workload
+    and more: 'gpt2-b8-adamw backward')."""
     header = ["workload", "contender", "mode that ran", "step ms", "vs unpatched (IQR)",
               "opt.step() ms", "peak MiB", "peak vs unpatched"]
     header += (["result vs unpatched"] if checks is not None else []) + (["no host sync"] if sync else [])
     rows = []
     for key, results in rows_by_key.items():
-        label, f = f"{key}: {describe(key, device)}", figures(results)
+        label, f = f"{key}: {describe(key.split()[0], device)}", figures(results)
         for name, r in results.items():
             c = None if checks is None else checks.get(key, {}).get(name)
             extra = ([check_text(name, c)] if checks is not None else [])
@@ -778,10 +784,10 @@ def log(msg):
 
 
 # -- the runs -----------------------------------------------------------------------------------
-def method_line(opts):
+def method_line(opts, checked=True):
     return (f"{opts['rounds']} rounds x {opts['steps']} timed steps per contender (each turn after one "
-            f"untimed step), warm-up >= {opts['warmup']} steps until autopatch's report holds still; "
-            f"training-result check over {opts['check_steps']} deterministic steps")
+            f"untimed step), warm-up >= {opts['warmup']} steps until autopatch's report holds still"
+            + (f"; training-result check over {opts['check_steps']} deterministic steps" if checked else ""))
 
 
 def run_table(ctx, args, opts, info, tmp):
@@ -793,7 +799,7 @@ def run_table(ctx, args, opts, info, tmp):
         t0 = time.perf_counter()
         checks[key] = check(ctx, key, contenders, opts, tmp)
         log(f"  {key} checked in {time.perf_counter() - t0:.0f} s")
-        measured[key] = measure(ctx, key, contenders, opts, log)
+        measured[key] = measure(ctx, key, contenders, opts)
         log(f"  {key} done in {time.perf_counter() - t0:.0f} s (total {time.perf_counter() - started:.0f} s)")
         lines, broken = notes(measured, checks)
         text = "\n\n".join([
@@ -817,48 +823,26 @@ def run_chunk_sweep(ctx, args, opts, info, tmp):
             t0 = time.perf_counter()
             contenders = [UNPATCHED] + [fusion_mode(m, f"{m}@{n}MiB", f"{m}, {n} MiB chunks", chunk_bytes=n * MiB)
                                         for n in SWEEP_MIB]
-            measured[f"{key} {m}"] = measure(ctx, key, contenders, opts, log)
+            measured[f"{key} {m}"] = measure(ctx, key, contenders, opts)
             log(f"  {key} / {m} done in {time.perf_counter() - t0:.0f} s")
             text = "\n\n".join([
-                f"# Chunk-size sweep ({args.device})", environment(info, args, method_line(opts)),
-                sweep_table(measured, torch.device(args.device))])
+                f"# Chunk-size sweep ({args.device})", environment(info, args, method_line(opts, checked=False)),
+                table(f"multi_layer and backward over chunk sizes {', '.join(f'{n} MiB' for n in SWEEP_MIB)}",
+                      measured, torch.device(args.device), sync=False)])
             out.write(text, {"info": info, "opts": opts, "measured": measured,
                              "figures": {k: figures(v) for k, v in measured.items()}})
     return text, 0
-
-
-def sweep_table(measured, device):
-    header = ["workload", "mode", "chunk", "step ms", "vs unpatched (IQR)", "opt.step() ms", "peak MiB",
-              "peak vs unpatched", "mode that ran"]
-    rows = []
-    for run_key, results in measured.items():
-        key, m = run_key.split()
-        f = figures(results)
-        for name, r in results.items():
-            chunk = name.split("@")[1] if "@" in name else "-"
-            if name in f:
-                x = f[name]
-                lo, hi = x["ratio_q"]
-                rows.append([f"{key}: {describe(key, device)}", m if "@" in name else "unpatched", chunk,
-                             f"{x['step_ms']:.2f}", f"{x['ratio']:.3f} ({lo:.2f}-{hi:.2f})", f"{x['opt_ms']:.2f}",
-                             f"{x['peak_mib']:.0f}", f"{x['peak_delta_mib']:+.0f}", ran(r)])
-            else:
-                rows.append([key, m, chunk, f"{r.get('status')}: {first_line(r.get('note'))}"] + [""] * 5)
-    return markdown(header, rows)
 
 
 def run_fsdp(ctx, args, opts, info, tmp):
     out = Output(args.out, "fsdp")
     key = "gpt2-b8-adamw"
     contenders = [UNPATCHED, Contender("default", "autopatch default policy", "default")]
-    measured = {key: measure(ctx, key, contenders, dict(opts, fsdp=True, sync_check=False), log)}
-    lines, _ = notes(measured)
-    ok = all(r.get("status") == "ok" for r in measured[key].values())
+    measured = {key: measure(ctx, key, contenders, dict(opts, fsdp=True, sync_check=False))}
     text = "\n\n".join([
-        f"# FSDP2, one rank ({args.device})", environment(info, args, method_line(opts) + " (no check)"),
+        f"# FSDP2, one rank ({args.device})", environment(info, args, method_line(opts, checked=False)),
         table("GPT-2 under fully_shard: every parameter a DTensor", measured, torch.device(args.device), sync=False),
-        "\n".join(lines) if ok else "FSDP2 skipped: " + "; ".join(
-            first_line(r.get("note")) for r in measured[key].values() if r.get("note"))])
+        "\n".join(notes(measured)[0])])
     out.write(text, {"info": info, "opts": opts, "measured": measured,
                      "figures": {key: figures(measured[key])}})
     return text, 0
@@ -882,21 +866,21 @@ def run_max_model(ctx, args, opts, info, tmp):
             try:
                 r = w.answer()
             except WorkerError as e:
-                r = {"layers": layers, "fits": False, "oom": False, "error": first_line(e)}
+                r = {"layers": layers, "fits": False, "oom": False, "failure": first_line(e)}
             w.close()
             tries[layers] = r
             log(f"  {m} {layers} layers: " + ("fits" if r["fits"] else "out of memory" if r.get("oom")
-                                              else f"error: {r['error']}"))
+                                              else f"error: {r['failure']}"))
             stopped = not r["fits"] and not r.get("oom")
             if not stopped:
                 good, bad = (layers, bad) if r["fits"] else (good, layers)
         found[m] = tries
         best, first_oom = tries.get(good), tries.get(bad)
-        rows.append([m, f"{good} layers, {best['params'] / 1e9:.2f}B params" if best else f"none in {lo}..{hi}",
+        rows.append([m, f"{good} layers, {count(best['params'])} params" if best else f"none in {lo}..{hi}",
                      f"{best['peak'] / GiB:.1f}" + (f" / {best['reserved'] / GiB:.1f}" if "reserved" in best else "")
                      if best else "",
                      "bisection stopped by an error (below)" if stopped else
-                     (f"{bad} layers" + (f", {first_oom['params'] / 1e9:.2f}B" if first_oom.get("params") else "")
+                     (f"{bad} layers" + (f", {count(first_oom['params'])}" if first_oom.get("params") else "")
                       if first_oom else f"none up to {hi}"),
                      ", ".join(f"{n} {'ok' if t['fits'] else 'OOM' if t.get('oom') else 'error'}"
                                for n, t in tries.items()),
@@ -912,7 +896,7 @@ def run_max_model(ctx, args, opts, info, tmp):
                                     f"bisection over {lo}..{hi} layers, each try in a fresh process{cap}"),
             markdown(["contender", "largest that trains", "peak GiB (allocated / reserved)",
                       "first that did not", "tries", "mode that ran"], rows),
-            "\n".join(f"- {m} {n} layers: {t['error']}" for m, ts in found.items() for n, t in ts.items()
+            "\n".join(f"- {m} {n} layers: {t['failure']}" for m, ts in found.items() for n, t in ts.items()
                       if not t["fits"] and not t.get("oom"))])
         out.write(text, {"info": info, "tries": found})
     return text, 0
