@@ -145,8 +145,8 @@ def batch_size(workload, device):
     return max(1, workload.batch // shapes(device)["batch_div"])
 
 
-def gpt2_config(device, **extra):
-    return GPT2Config(use_cache=False, **{**shapes(device)["gpt2"], **extra})
+def gpt2_config(device):
+    return GPT2Config(use_cache=False, **shapes(device)["gpt2"])
 
 
 def mobilenet_source(device):
@@ -401,6 +401,8 @@ class Job:
                 autopatch.disable()
             except Exception as e:    # after a failed sync check the step it cut short may be half done
                 out["disable_error"] = f"{type(e).__name__}: {e}"
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
         return out
 
     def state(self):
@@ -736,20 +738,22 @@ def first_line(text):
 
 
 def notes(rows_by_key, checks=None):
-    """What autopatch said it ran and why, and anything the table flags."""
-    out, broken = [], []
+    """What autopatch said each contender ran and why, and why some have no figures: one line per
+    distinct statement, with the workloads it holds for."""
+    said, broken = {}, []
     for key, results in rows_by_key.items():
         for name, r in results.items():
-            final = (r.get("final") or {}).get("modes")
-            if final:
-                out += [f"- {key} / {name}: {m}: {why}" for m, why in final]
+            for m, why in (r.get("final") or {}).get("modes") or []:
+                said.setdefault(f"{name}: {m}: {why}", []).append(key)
             if r.get("status") in ("skipped", "failed"):
                 detail = first_line(r["note"]) if r["status"] == "failed" else "; ".join(r["note"].splitlines())
-                out.append(f"- {key} / {name}: {r['status']}: {detail}")
+                said.setdefault(f"{name}: {r['status']}: {detail}", []).append(key)
             c = (checks or {}).get(key, {}).get(name)
             if c and c.get("equal") is False and (name in EXACT_MODES or name == "twin"):
                 broken.append(f"{key} / {name}")
-    return out, broken
+    every = len(rows_by_key) > 1
+    return [f"- {text} ({'every workload' if every and len(keys) == len(rows_by_key) else ', '.join(keys)})"
+            for text, keys in said.items()], broken
 
 
 def environment(info, args, extra=""):
