@@ -913,7 +913,8 @@ def select_workloads(spec, ap):
     for token in (t for t in spec.split(",") if t):
         match = [k for k in WORKLOADS if k == token or k.startswith(token + "-")]
         if not match:
-            ap.error(f"unknown workload {token!r}; choose from {', '.join(WORKLOADS)} or a prefix (mobilenet, gpt2, mlp)")
+            ap.error(f"unknown workload {token!r}; choose from {', '.join(WORKLOADS)} "
+                     "or a prefix (mobilenet, gpt2, mlp)")
         keys += [k for k in match if k not in keys]
     return keys
 
@@ -923,7 +924,8 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cuda (default; without CUDA the script says so and exits 0) or cpu: small shapes")
-    ap.add_argument("--out", help="directory for the Markdown and JSON results (required unless there is nothing to run)")
+    ap.add_argument("--out", help="directory for the Markdown and JSON results (required when there is a GPU "
+                                  "or with --device cpu)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 rounds x 2 steps, short warm-up and check")
     ap.add_argument("--workloads", default="mobilenet,gpt2,mlp",
                     help="comma-separated workloads or prefixes: " + ", ".join(WORKLOADS))
