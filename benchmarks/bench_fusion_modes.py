@@ -54,7 +54,8 @@ import autopatch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from training import BertAdam  # noqa: E402  the hand-written optimizer the tests check bit for bit
-from run_context import autopatch_revision, cpu_model, load_average, markdown  # noqa: E402
+from run_context import (autopatch_source, compare_states, cpu_model, load_average,  # noqa: E402
+                         markdown, median_ms, quartiles, round_ratios)
 
 CONTENDERS = ["unpatched", "fused", "multi_layer", "backward", "forward", "auto"]
 AUTOPATCH_MODES = ("multi_layer", "backward", "forward", "auto")
@@ -311,42 +312,9 @@ def run_workload(ctx, key, args, tmp, memory=False):
 
 
 # -- checking and reporting -------------------------------------------------------------------
-def _flat_state(state):
-    """(name, tensor or value) pairs of a saved model + optimizer state; model entries first."""
-    out = [(f"model.{k}", v) for k, v in state["model"].items()]
-    for pid, st in state["optimizer"]["state"].items():
-        out += [(f"optimizer.state[{pid}].{k}", v) for k, v in st.items()]
-    return out
-
-
 def compare(ref_path, path):
     """(equal bit for bit, largest absolute difference in the model's weights and buffers)."""
-    a, b = _flat_state(torch.load(ref_path)), _flat_state(torch.load(path))
-    assert [k for k, _ in a] == [k for k, _ in b], "state keys differ"
-    equal, worst = True, 0.0
-    for (key, va), (_, vb) in zip(a, b):
-        if not isinstance(va, torch.Tensor):
-            equal = equal and va == vb
-            continue
-        equal = equal and torch.equal(va, vb)
-        if key.startswith("model.") and va.is_floating_point() and va.numel():
-            worst = max(worst, (va.double() - vb.double()).abs().max().item())
-    return equal, worst
-
-
-def median_ms(values):
-    return 1e3 * statistics.median(values)
-
-
-def round_ratios(mine, theirs):
-    """Per round: this contender's median step over the other's, measured in the same round."""
-    return [statistics.median(sum(s) for s in m) / statistics.median(sum(s) for s in t)
-            for m, t in zip(mine, theirs)]
-
-
-def quartiles(values):
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return q[0], q[2]
+    return compare_states(torch.load(ref_path), torch.load(path))
 
 
 def summarise(key, procs, memory_procs):
@@ -498,11 +466,6 @@ def plot(results, path, clock):
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-
-
-def autopatch_source():
-    """Where the autopatch under test lives, and its commit."""
-    return f"autopatch from {Path(autopatch.__file__).resolve().parent.parent} at {autopatch_revision()}"
 
 
 def machine():
