@@ -73,7 +73,8 @@ def is_enabled():
 
 def flush():
     """Apply every deferred update now, so weights can be read (mode forward defers updates to
-    the next forward; state_dict(), torch.save and the next step() already flush by themselves)."""
+    the next forward; the next step() and torch's ways of reading weights, such as parameters(),
+    module attributes, state_dict() and torch.save, apply them by themselves)."""
     with _lock:
         if _runtime is not None:
             _runtime.flush()
