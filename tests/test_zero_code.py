@@ -209,7 +209,10 @@ DIST = """
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     data = batches(4, seed=10 + dist.get_rank())
     train(model, opt, data)
-    print(json.dumps({"rank": dist.get_rank(), "enabled": autopatch.is_enabled()}), flush=True)
+    # one write per line: print() writes the text and the newline apart, and the two ranks'
+    # lines could interleave on the shared pipe
+    sys.stdout.write(json.dumps({"rank": dist.get_rank(), "enabled": autopatch.is_enabled()}) + "\\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 """
 
