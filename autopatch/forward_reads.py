@@ -49,7 +49,8 @@ class ForwardReads:
     def fresh(self, param):
         """Apply the pending chunk holding ``param``, in whichever optimizer holds it."""
         for ctrl in self.fusions:
-            ctrl.strategy.apply_param(param)
+            if id(param) in ctrl.strategy.by_param:
+                ctrl.strategy.apply_param(param)
 
     def _flush_first(self, wrapped, instance, args, kwargs):
         if self.fusions:
