@@ -58,12 +58,20 @@ def disable():
         _runtime = None
 
 
+# Subpackages reachable as attributes (``autopatch.contrib.fuse_optimizer(...)``), imported on
+# first use: contrib imports torch, and ``import autopatch`` must not.
+_LAZY_SUBMODULES = ("contrib", "integrations")
+
+
 def __getattr__(name):
     # Imported on first use: the start-up gate imports this package and must be able to catch a
     # broken PyYAML like any other start-up failure.
     if name == "PolicyError":
         from .policy import PolicyError
         return PolicyError
+    if name in _LAZY_SUBMODULES:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'autopatch' has no attribute {name!r}")
 
 
@@ -73,7 +81,8 @@ def is_enabled():
 
 def flush():
     """Apply every deferred update now, so weights can be read (mode forward defers updates to
-    the next forward; state_dict(), torch.save and the next step() already flush by themselves)."""
+    the next forward; the next step() and torch's ways of reading weights, such as parameters(),
+    module attributes, state_dict() and torch.save, apply them by themselves)."""
     with _lock:
         if _runtime is not None:
             _runtime.flush()

@@ -1,8 +1,9 @@
-"""Zero-code start-up: what the installed ``autopatch.pth`` line calls when FUSEDOPT_ENABLE is true.
+"""Zero-code start-up: what the installed ``autopatch.pth`` line calls when FUSEDOPT_ENABLE is set
+to anything but ``0`` or ``false``.
 
-It never breaks the user's program: a problem becomes a warning on stderr and the run goes on
-unpatched, except an invalid policy (exit code 2 before any user code runs) and
-``FUSEDOPT_STRICT=1``, which makes every problem fatal.
+It never breaks the user's program: a problem (a FUSEDOPT_ENABLE value other than 1/true/0/false
+included) becomes a warning on stderr and the run goes on unpatched, except an invalid policy
+(exit code 2 before any user code runs) and ``FUSEDOPT_STRICT=1``, which makes every problem fatal.
 """
 
 import os
@@ -18,6 +19,13 @@ def run():
     _done = True
     from . import env
     strict = env.flag(env.STRICT)
+    enabled = env.enable_value()
+    if enabled is None:
+        _problem(f"{env.ENABLE}={os.environ[env.ENABLE]!r} is not understood (use 1 or true to "
+                 "enable, 0 or false not to); autopatch stays off", strict)
+        return
+    if not enabled:
+        return
     try:
         import autopatch
         from .policy import PolicyError
@@ -36,7 +44,11 @@ def run():
 
 
 def _failed(error, strict):
-    sys.stderr.write(f"autopatch: not enabled, start-up failed: {type(error).__name__}: {error}\n")
+    _problem(f"not enabled, start-up failed: {type(error).__name__}: {error}", strict)
+
+
+def _problem(message, strict):
+    sys.stderr.write(f"autopatch: {message}\n")
     if strict:
         sys.stderr.write("autopatch: FUSEDOPT_STRICT=1, stopping\n")
         sys.stderr.flush()

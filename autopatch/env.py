@@ -5,7 +5,7 @@ Kept free of heavy imports: the start-up gate reads it before the user's program
 
 import os
 
-ENABLE = "FUSEDOPT_ENABLE"        # 1/true/yes/on: enable autopatch at interpreter start-up
+ENABLE = "FUSEDOPT_ENABLE"        # 1/true: enable at start-up; 0/false/unset: do not; else warn, stay off
 STRICT = "FUSEDOPT_STRICT"        # 1: start-up problems are fatal instead of a warning
 POLICY = "FUSEDOPT_POLICY"        # builtin policy name or path to a YAML file
 MODE = "FUSEDOPT_MODE"            # overrides fusion.mode
@@ -21,6 +21,10 @@ AUTOTUNE_WARMUP_SECONDS = "FUSEDOPT_AUTOTUNE_WARMUP_SECONDS"  # overrides autotu
 AUTOTUNE_LOG = "FUSEDOPT_AUTOTUNE_LOG"                      # overrides autotune.log_csv
 
 _TRUE = {"1", "true", "yes", "on"}
+# FUSEDOPT_ENABLE takes these alone (any case, surrounding spaces ignored): a typo such as "2" or
+# "ture" must not silently decide whether a run is patched. autopatch.pth calls the start-up gate
+# for every value other than unset, "0" and "false", so the gate can warn about the rest.
+_ENABLE_VALUES = {"1": True, "true": True, "0": False, "false": False, "": False}
 
 # The single policy key each variable overrides. Values stay raw strings: the policy checks them
 # with its own rules, so a bad one is a PolicyError naming the variable, like a bad policy file.
@@ -42,6 +46,12 @@ _STRIPPED = {MODE, CHUNK_BYTES, AUTOTUNE, AUTOTUNE_MAX_SAMPLES, AUTOTUNE_TRIAL_S
 def flag(name, environ=None):
     """True when the variable holds a true-ish value; unknown values count as false."""
     return (environ if environ is not None else os.environ).get(name, "").strip().lower() in _TRUE
+
+
+def enable_value(environ=None):
+    """FUSEDOPT_ENABLE as True or False, or None when the value is not understood."""
+    raw = (environ if environ is not None else os.environ).get(ENABLE, "")
+    return _ENABLE_VALUES.get(raw.strip().lower())
 
 
 def policy_overrides(environ=None):

@@ -18,6 +18,13 @@ class Ledger:
         wrapt.wrap_function_wrapper(owner, name, wrapper)
         self._patches.append((owner, name, original))
 
+    def replace(self, owner, name, function):
+        """Set ``owner.name`` to a plain ``function`` that calls the original itself: cheaper per
+        call than a wrapt wrapper, for patches on a hot path."""
+        original = vars(owner)[name]
+        setattr(owner, name, function)
+        self._patches.append((owner, name, original))
+
     def hold(self, *handles):
         self._handles.extend(handles)
 

@@ -105,34 +105,21 @@ class Runtime:
         self.controllers.append(ctrl)
 
     def enable_forward_fusion(self, ctrl):
-        """Mode forward needs to see every module's forward and every way weights are observed."""
+        """Mode forward needs to see every module's forward and every way weights are read; the
+        patches stay until disable(), idle while no optimizer is in mode forward."""
         self.forward_fusions.add(ctrl)
         if self._forward_hooks:
             return
         import torch
+        from .forward_reads import ForwardReads
         self.ledger.hold(torch.nn.modules.module.register_module_forward_pre_hook(self._before_module))
-        for owner, name in ((torch.nn.Module, "state_dict"), (torch.nn.Module, "load_state_dict"),
-                            (torch, "save"), (torch.serialization, "save")):
-            self.ledger.wrap(owner, name, self._flush_first)
-        for owner in (torch.nn.Module, torch.optim.Optimizer):
-            self.ledger.wrap(owner, "zero_grad", self._flush_before_zeroing)
+        ForwardReads(self.forward_fusions, self.flush).install(self.ledger)
         self._forward_hooks = True
 
     def _before_module(self, module, args):
         for ctrl in self.forward_fusions:
             if ctrl.strategy.has_pending:
                 ctrl.strategy.apply_for(module)
-
-    def _flush_first(self, wrapped, instance, args, kwargs):
-        if self.forward_fusions:
-            self.flush()
-        return wrapped(*args, **kwargs)
-
-    def _flush_before_zeroing(self, wrapped, instance, args, kwargs):
-        """``zero_grad(set_to_none=False)`` zeroes the grads a deferred update still needs."""
-        if self.forward_fusions and not kwargs.get("set_to_none", args[0] if args else True):
-            self.flush()
-        return wrapped(*args, **kwargs)
 
     def flush(self):
         """Apply every deferred update now (mode forward); harmless in other modes."""

@@ -1,6 +1,7 @@
 """autopatch.contrib: Bagua's fuse_optimizer / fuse_step, equal bit for bit to the unfused run."""
 
 import copy
+import json
 import types
 import warnings
 
@@ -11,6 +12,7 @@ from torch.nn.utils import clip_grad_norm_
 from torch.optim import Optimizer
 
 from autopatch.contrib import LEFT_TO_FUSE_STEP, fuse_optimizer, fuse_step, is_fused_optimizer
+from conftest import run_python
 from training import assert_same, assert_state_equal, batches, clone, mlp, train, weights
 
 
@@ -342,3 +344,27 @@ def test_under_enable_each_step_is_fused_once(ap, order):
     assert_same(weights(model), weights(ref_model))
     layout = flat_of(opt).describe()
     assert layout["fused_steps"] == 10 - done and layout["fused_params"] == 14
+
+
+def test_reachable_as_an_attribute_of_the_package_after_import_autopatch():
+    """``import autopatch; autopatch.contrib.fuse_optimizer(...)``, in a fresh interpreter: the
+    subpackage is imported on first use, and ``import autopatch`` alone still loads no torch."""
+    code = """if True:
+        import json, sys
+        import autopatch
+        torch_at_import = "torch" in sys.modules
+        import torch
+        model = torch.nn.Linear(4, 4)
+        opt = autopatch.contrib.fuse_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        model(torch.ones(2, 4)).sum().backward()
+        before = model.weight.detach().clone()
+        opt.fuse_step()
+        print(json.dumps({"torch_at_import": torch_at_import,
+                          "fused": autopatch.contrib.is_fused_optimizer(opt),
+                          "stepped": not torch.equal(before, model.weight),
+                          "same_module": autopatch.contrib is sys.modules["autopatch.contrib"]}))
+    """
+    out = run_python(["-c", code])
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"torch_at_import": False, "fused": True, "stepped": True,
+                                      "same_module": True}

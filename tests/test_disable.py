@@ -20,7 +20,7 @@ POLICIES = ["default", "safe", "multi_layer", "backward", "forward", "distribute
 OPT_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
              "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
              "_optimizer_load_state_dict_post_hooks")
-CLASSES = (torch.optim.Optimizer, torch.optim.SGD, torch.optim.Adam, nn.Module, torch.Tensor,
+CLASSES = (torch.optim.Optimizer, torch.optim.SGD, torch.optim.Adam, nn.Module, torch.Tensor, nn.Parameter,
            torch.nn.parallel.DistributedDataParallel)
 MODULES = (torch, torch.serialization, torch.autograd, torch.distributed, torch.nn.utils, torch.optim)
 

@@ -237,22 +237,25 @@ def test_forward_mode_defers_until_the_module_runs_and_flushes_before_save():
     with settled_in("forward") as (model, opt, (x, y)):
         opt.zero_grad()
         loss_of(model, x, y).backward()
-        before = weights(model)
+        held = list(model.parameters())   # tensors in a variable: reading them applies nothing
+        before = [p.detach().clone() for p in held]
         opt.step()
-        assert all(torch.equal(a, b) for a, b in zip(before, weights(model)))   # deferred
+        model.zero_grad()                 # clears grads only: applies nothing either
+        assert all(torch.equal(a, p) for a, p in zip(before, held))               # deferred
         buf = io.BytesIO()
-        torch.save(model.state_dict(), buf)                                      # flushes
-        assert not all(torch.equal(a, b) for a, b in zip(before, weights(model)))
+        torch.save(model.state_dict(), buf)                                        # flushes
+        assert not any(torch.equal(a, p) for a, p in zip(before, held))
 
 
 def test_forward_mode_rejects_a_pending_gradient_changed_in_place():
     """The deferred update needs the gradients step() saw: one written in place before it runs is
     an error, not a silently different update (zero_grad(set_to_none=False) is flushed first)."""
     with settled_in("forward") as (model, opt, (x, y)):
+        first = next(model.parameters())     # held: reading it later applies nothing
         opt.zero_grad(set_to_none=False)
         loss_of(model, x, y).backward()
         opt.step()
-        next(model.parameters()).grad.mul_(2.0)
+        first.grad.mul_(2.0)
         with pytest.raises(RuntimeError, match="changed in place after optimizer.step"):
             loss_of(model, x, y)
 

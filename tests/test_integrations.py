@@ -139,6 +139,30 @@ def test_importing_autopatch_imports_no_framework():
     assert out.stdout.strip() == "[]"
 
 
+def test_reachable_as_attributes_of_the_package_after_import_autopatch():
+    """``autopatch.integrations.lightning.AutopatchCallback`` after a bare ``import autopatch``,
+    in a fresh interpreter; no framework is imported before its module is reached."""
+    code = """if True:
+        import sys
+        import autopatch
+        frameworks = lambda: [m for m in ("lightning", "transformers") if m in sys.modules]
+        assert "torch" not in sys.modules and frameworks() == []
+        session = autopatch.integrations.FitSession
+        assert frameworks() == []
+        from lightning.pytorch import Callback
+        assert issubclass(autopatch.integrations.lightning.AutopatchCallback, Callback)
+        from transformers import TrainerCallback
+        assert issubclass(autopatch.integrations.huggingface.AutopatchCallback, TrainerCallback)
+        try:
+            autopatch.integrations.keras
+        except AttributeError as e:
+            print(e)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "module 'autopatch.integrations' has no attribute 'keras'"
+
+
 def test_enable_after_lightning_wrapped_the_optimizer_adopts_it_once():
     """LightningOptimizer copies the optimizer's __dict__ (hook dicts included): enable() must
     adopt the wrapped optimizer only, or every step would be hooked twice."""

@@ -104,6 +104,9 @@ def test_plugin_routes_serve_the_run(server):
     assert json.loads(get(f"{base}/data/plugin/autopatch/runs")[2])["runs"] == ["."]
     run = json.loads(get(f"{base}/data/plugin/autopatch/run?run=.")[2])
     assert [t["score"] for t in run["trials"]] == [t["score"] for t in report["trials"]]
+    # the table's step time is the one the score stands for: both rank the trials alike
+    batch = 32   # the example's DataLoader
+    assert all(t["step_ms"] == pytest.approx(1e3 * batch / t["score"], rel=1e-9) for t in run["trials"])
     assert run["frozen"]["config"] == report["best"]["config"]
     assert run["best_trial"] == report["best"]["trial"]
     assert set(run["breakdown"]) >= {t["modes"][0] for t in report["trials"]}
@@ -173,6 +176,11 @@ def test_dashboard_tab_in_headless_chromium(server, tmp_path):
         driver.find_element(By.CSS_SELECTOR, "th[data-col='score']").click()   # sort: best first
         first = driver.find_element(By.CSS_SELECTOR, "#trials tbody tr").text.split()
         assert first[0] == str(report["best"]["trial"])
+        by_score = [r.text.split()[0] for r in driver.find_elements(By.CSS_SELECTOR, "#trials tbody tr")]
+        driver.find_element(By.CSS_SELECTOR, "th[data-col='step ms']").click()  # fastest first
+        by_time = [r.text.split()[0] for r in driver.find_elements(By.CSS_SELECTOR, "#trials tbody tr")]
+        assert by_time == by_score
+        assert "so that load from other jobs cancels out" in driver.find_element(By.ID, "trials-note").text
         assert driver.find_elements(By.CSS_SELECTOR, "#breakdown rect")
         driver.switch_to.default_content()
         driver.save_screenshot(str(tmp_path / "autopatch-dashboard.png"))

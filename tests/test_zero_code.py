@@ -49,7 +49,7 @@ def test_enabled_before_the_first_line_with_summary_and_report(tmp_path):
     assert opt["mode"] in ("off", "multi_layer", "backward", "forward") and opt["reason"]
 
 
-@pytest.mark.parametrize("value", [None, "", "0", "false", "off"])
+@pytest.mark.parametrize("value", [None, "", "  ", "0", "false", " FALSE ", "False"])
 def test_not_enabled_imports_nothing(value):
     env = clean_env() if value is None else clean_env(FUSEDOPT_ENABLE=value)
     code = "import sys; print(sorted(m for m in ('autopatch', 'torch', 'yaml', 'wrapt') if m in sys.modules))"
@@ -58,10 +58,44 @@ def test_not_enabled_imports_nothing(value):
     assert res.stderr == ""
 
 
-def test_enabled_imports_autopatch_but_not_torch():
-    code = "import sys; print('autopatch' in sys.modules, 'torch' in sys.modules)"
-    res = run_python(["-c", code], env=clean_env(FUSEDOPT_ENABLE="1"))
-    assert res.stdout.split() == ["True", "False"], res.stderr
+@pytest.mark.parametrize("value", ["1", "true", " TRUE ", "True", "\t1\n"])
+def test_enabled_imports_autopatch_but_not_torch(value):
+    code = "import sys, autopatch; print('torch' in sys.modules, autopatch.is_enabled())"
+    res = run_python(["-c", code], env=clean_env(FUSEDOPT_ENABLE=value))
+    assert res.stdout.split() == ["False", "True"], res.stderr
+    assert res.stderr == ""
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "on", "enable", "-1", "1.0", "t rue"])
+def test_a_value_not_understood_warns_once_and_stays_off(tmp_path, value):
+    script = write_script(tmp_path / "first.py", FIRST)
+    res = run_python([script], cwd=tmp_path, env=clean_env(FUSEDOPT_ENABLE=value))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["first", "line", "False"]
+    assert res.stderr.splitlines() == [f"autopatch: FUSEDOPT_ENABLE={value!r} is not understood (use 1 "
+                                       "or true to enable, 0 or false not to); autopatch stays off"]
+
+
+def test_strict_makes_a_value_not_understood_fatal(tmp_path):
+    script = write_script(tmp_path / "first.py", FIRST)
+    res = run_python([script], cwd=tmp_path, env=clean_env(FUSEDOPT_ENABLE="yes", FUSEDOPT_STRICT="1"))
+    assert res.returncode == 1 and res.stdout == ""
+    assert "FUSEDOPT_ENABLE='yes' is not understood" in res.stderr and "FUSEDOPT_STRICT=1" in res.stderr
+
+
+@pytest.mark.parametrize("value", ["1", "yes"])
+def test_pth_line_is_harmless_once_the_package_is_gone(tmp_path, installed, value):
+    """The .pth left behind in a site-packages without autopatch: nothing happens, nothing is said."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    python = venv / "bin" / "python"
+    purelib = Path(run_python(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              python=python).stdout.strip())
+    (purelib / "autopatch.pth").write_text(installed.read_text())
+    env = clean_env(FUSEDOPT_ENABLE=value)
+    del env["PYTHONPATH"]
+    res = run_python(["-c", "import sys; print('autopatch' in sys.modules)"], python=python, env=env, cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.strip() == "False" and res.stderr == "", res.stderr
 
 
 def test_pth_line_is_one_cheap_guarded_line(installed):
@@ -175,7 +209,10 @@ DIST = """
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     data = batches(4, seed=10 + dist.get_rank())
     train(model, opt, data)
-    print(json.dumps({"rank": dist.get_rank(), "enabled": autopatch.is_enabled()}), flush=True)
+    # one write per line: print() writes the text and the newline apart, and the two ranks'
+    # lines could interleave on the shared pipe
+    sys.stdout.write(json.dumps({"rank": dist.get_rank(), "enabled": autopatch.is_enabled()}) + "\\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 """
 

@@ -157,8 +157,12 @@ class Autotuner:
         cur, w = self.current, self.current["window"]
         raw = statistics.median(cur["rates"]["candidate"])
         reference = statistics.median(cur["rates"]["incumbent"]) if cur["rates"]["incumbent"] else None
-        rec = {"trial": cur["trial"], "config": cur["config"],
-               "score": raw * self.best["score"] / reference if reference else raw, "raw_score": raw,
+        scored = raw * self.best["score"] / reference if reference else raw
+        # step_ms is the time per step the score stands for, load-corrected like it, so the two
+        # always rank trials alike; breakdown_ms is the mean the candidate's windows measured,
+        # under whatever load this trial ran.
+        rec = {"trial": cur["trial"], "config": cur["config"], "score": scored, "raw_score": raw,
+               "step_ms": 1e3 * (self.samples_per_step or 1) / scored,
                "incumbent_now": reference, "train_iter": it, "windows": cur["rates"], "modes": cur["modes"],
                "seconds": time.perf_counter() - cur["t0"], "steps": it - cur["start"],
                "started": cur["started"], "breakdown_ms": w.breakdown_ms()}

@@ -129,3 +129,10 @@ class ForwardFusion:
         return dict(self.planner.layout(), deferred_steps=self.deferred,
                     chunks_applied_in_forward=self.applied_in_forward,
                     fallback_group_steps=self.fallback_steps)
+
+    def apply_param(self, param):
+        """Apply the pending chunk holding ``param``, if any: it is being read outside its
+        module's forward (an attribute read, a deepcopy, parameters())."""
+        key = self.by_param.get(id(param))
+        if key is not None:
+            self._apply([key])

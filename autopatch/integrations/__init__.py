@@ -1,12 +1,22 @@
 """Explicit switches for training frameworks: autopatch on for one fit, off again after it.
 
 ``autopatch.integrations.lightning`` and ``autopatch.integrations.huggingface`` import their
-framework; this package and ``autopatch`` itself never do.
+framework, on first use also as attributes (``autopatch.integrations.lightning.AutopatchCallback``);
+this package and ``autopatch`` itself never do.
 """
 
+import importlib
 import warnings
 
 import autopatch
+
+_FRAMEWORKS = ("lightning", "huggingface")
+
+
+def __getattr__(name):
+    if name in _FRAMEWORKS:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class FitSession:

@@ -66,7 +66,8 @@ def summarize(records):
     best = max(trials, key=lambda t: t["score"]) if trials else None
     out = {"knobs": list(space["knobs"]) if space else sorted({k for t in trials for k in t["config"]}),
            "unit": (space or {}).get("unit") or (frozen or {}).get("unit") or "steps/s",
-           "trials": [{k: t.get(k) for k in ("trial", "config", "score", "train_iter", "modes", "breakdown_ms")}
+           "trials": [{k: t.get(k) for k in ("trial", "config", "score", "step_ms", "train_iter", "modes",
+                                             "breakdown_ms")}
                       for t in trials],
            "best_trial": best["trial"] if best else None,
            "frozen": frozen, "breakdown": breakdown}

@@ -12,6 +12,7 @@ const CSS = `
   th.sorted::after { content: attr(data-dir); margin-left: 4px; }
   tr.best td { background: #e8f5e9; font-weight: bold; }
   .legend span { display: inline-block; margin-right: 12px; }
+  .note { color: #616161; font-size: 12px; max-width: 760px; margin: 6px 0; }
   .swatch { display: inline-block; width: 10px; height: 10px; margin-right: 4px; }
   svg text { font-size: 11px; fill: #424242; }
 `;
@@ -84,7 +85,7 @@ function scoreChart(data) {
 
 function trialsTable(data) {
   const cols = ["trial", ...data.knobs, "score", "train_iter", "step ms"];
-  const value = (t, c) => c === "step ms" ? t.breakdown_ms?.step : c in t ? t[c] : t.config[c];
+  const value = (t, c) => c === "step ms" ? t.step_ms : c in t ? t[c] : t.config[c];
   const table = el("table", { id: "trials" });
   const head = el("tr");
   const body = el("tbody");
@@ -155,9 +156,16 @@ async function showRun(root, run) {
   if (data.trials.length) {
     parts.push(el("h2", {}, "Score by trial"), scoreChart(data));
     parts.push(el("h2", {}, `Trials (${data.trials.length}), click a column to sort`), trialsTable(data));
+    parts.push(el("p", { class: "note", id: "trials-note" },
+      "score: the median throughput of the trial's windows. From trial 1 on, those windows alternate " +
+      "with the best config so far, and the score is scaled by how that config ran alongside against " +
+      "its own score, so that load from other jobs cancels out and scores compare across trials. " +
+      "step ms: the time per step that score stands for, corrected alike."));
   }
   if (Object.keys(data.breakdown).length) {
     parts.push(el("h2", {}, "Time per step by mode (median ms)"), breakdownChart(data));
+    parts.push(el("p", { class: "note" }, "Step times as measured, under whatever load each window " +
+      "ran: the median over every window spent in the mode, trials and the rest of the run alike."));
   }
   root.replaceChildren(...parts);
 }

@@ -1,0 +1,107 @@
+"""Mode forward: every public way torch offers to read a weight sees its pending update applied.
+
+Mode forward leaves each chunk's update pending from ``step()`` until its module's next forward.
+A read in between would see the weight before that update, so while forward fusion is active:
+
+- whole-model reads apply every pending update first: module ``state_dict()`` and
+  ``load_state_dict()``, ``torch.save``, and ``Module._apply`` (``to()``, ``cpu()``, ``cuda()``,
+  ``half()``, ``float()``, ``double()``, ``type()``, ...); the optimizer's own ``state_dict()``
+  and ``load_state_dict()`` flush through the controller's hooks;
+- reads of one parameter apply just the chunk holding it: ``Module.__getattr__``
+  (``model.fc.weight``, ``get_parameter()``, a weight shared by another module's forward),
+  ``named_parameters()``/``parameters()`` (each parameter as the iterator yields it, so
+  ``next(model.parameters()).device`` applies one chunk, not all) and ``Parameter.__deepcopy__``
+  (``copy.deepcopy(model)``). Pickling needs nothing more: torch pickles a tensor's storage
+  through ``torch.save``.
+
+``zero_grad()`` (module or optimizer) with ``set_to_none=True`` only drops references to grads
+that mode forward holds itself since ``step()``: it applies nothing, so a loop calling it between
+``step()`` and the next forward (as Hugging Face's Trainer does) keeps its updates deferred. With
+``set_to_none=False`` it would zero those very grads, so every pending update is applied first.
+
+Not covered, because nothing cheap sees it: a parameter held in a variable (or reached through
+``optimizer.param_groups`` or ``module._parameters``) and read after ``step()`` before its module
+runs. Mode auto's watch (observe.py) rules mode forward out when the first steps show such a read.
+"""
+
+import functools
+import threading
+
+import torch
+from torch.compiler import is_compiling
+
+
+class ForwardReads:
+    def __init__(self, fusions, flush):
+        self.fusions = fusions     # the runtime's live set of controllers in mode forward
+        self.flush = flush         # applies every pending update
+        self.local = threading.local()
+
+    def install(self, ledger):
+        module, parameter = torch.nn.Module, torch.nn.Parameter
+        for owner, name in ((module, "state_dict"), (module, "load_state_dict"), (module, "_apply"),
+                            (torch, "save"), (torch.serialization, "save")):
+            ledger.wrap(owner, name, self._flush_first)
+        ledger.wrap(module, "named_parameters", self._each_fresh)
+        ledger.wrap(module, "zero_grad", self._without_applying)
+        ledger.wrap(torch.optim.Optimizer, "zero_grad", self._flush_before_zeroing)
+        ledger.wrap(parameter, "__deepcopy__", self._fresh_instance)
+        ledger.replace(module, "__getattr__", self._fresh_getattr(vars(module)["__getattr__"]))
+
+    def fresh(self, param):
+        """Apply the pending chunk holding ``param``, in whichever optimizer holds it."""
+        for ctrl in self.fusions:
+            if id(param) in ctrl.strategy.by_param:
+                ctrl.strategy.apply_param(param)
+
+    def _flush_first(self, wrapped, instance, args, kwargs):
+        if self.fusions:
+            self.flush()
+        return wrapped(*args, **kwargs)
+
+    def _fresh_instance(self, wrapped, instance, args, kwargs):
+        self.fresh(instance)
+        return wrapped(*args, **kwargs)
+
+    def _each_fresh(self, wrapped, instance, args, kwargs):
+        items = wrapped(*args, **kwargs)
+        if getattr(self.local, "grads_only", False):
+            return items
+        return self._freshened(items)
+
+    def _freshened(self, items):
+        for name, param in items:
+            self.fresh(param)
+            yield name, param
+
+    def _flush_before_zeroing(self, wrapped, instance, args, kwargs):
+        if self.fusions and not kwargs.get("set_to_none", args[0] if args else True):
+            self.flush()
+        return wrapped(*args, **kwargs)
+
+    def _without_applying(self, wrapped, instance, args, kwargs):
+        if self.fusions and not kwargs.get("set_to_none", args[0] if args else True):
+            self.flush()
+        outer = getattr(self.local, "grads_only", False)
+        self.local.grads_only = True
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            self.local.grads_only = outer
+
+    def _fresh_getattr(self, original):
+        """``Module.__getattr__`` runs for every submodule and parameter attribute read, in every
+        forward: a plain function whose only extra work is one dict lookup per optimizer in mode
+        forward (benchmarks/bench_forward_reads.py measures it)."""
+        fusions = self.fusions
+
+        @functools.wraps(original)
+        def __getattr__(module, name):
+            value = original(module, name)
+            # torch.compile traces this function too: applying an update is no graph operation,
+            # so nothing is applied while it compiles.
+            for ctrl in fusions:
+                if id(value) in ctrl.strategy.by_param and not is_compiling():
+                    ctrl.strategy.apply_param(value)
+            return value
+        return __getattr__
