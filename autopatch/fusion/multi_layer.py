@@ -11,24 +11,12 @@ import time
 import torch
 
 from .chunk_step import raw_step_of
+from .eligibility import foreign_memory, unfusable_param
 from .flat import FlatRun, state_signature
 
 
 class NotFusable(RuntimeError):
     """The optimizer's state after a fused step has no per-parameter form."""
-
-
-def unfusable_param(p):
-    """Why a parameter can never live in a flat run, or None."""
-    if p.numel() == 0:
-        return "empty parameter"
-    if not p.requires_grad:
-        return "frozen (requires_grad=False)"
-    if p.is_sparse or not p.dtype.is_floating_point:
-        return "sparse or non-floating parameter"
-    if type(p) not in (torch.nn.Parameter, torch.Tensor):
-        return f"tensor subclass {type(p).__name__}"
-    return None
 
 
 def split_by_grads(runs):
@@ -103,6 +91,8 @@ class MultiLayerStep:
         storage_users = {}
         for g in self.opt.param_groups:
             for p in g["params"]:
+                if foreign_memory(p):
+                    continue    # its storage may not be readable (DTensor, freed): never touch it
                 k = p.untyped_storage().data_ptr()
                 storage_users[k] = storage_users.get(k, 0) + 1
         self.excluded = {}
