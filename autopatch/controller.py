@@ -16,6 +16,7 @@ import weakref
 
 import torch
 
+from . import guard
 from .fusion.backward import BackwardFusion
 from .fusion.chunk_step import raw_step_of
 from .fusion.chunking import default_chunk_bytes
@@ -217,7 +218,7 @@ class OptimizerController:
         """Switch between steps; lossless by construction. Returns the mode in effect: a mode
         the checks reject for this optimizer is refused and the current one kept."""
         opt = self.ref()
-        if opt is None or mode == self.mode:
+        if opt is None or mode == self.mode or guard.fell_back(self):
             return self.mode
         if not self.decided:
             self._decide(opt)
@@ -250,10 +251,11 @@ class OptimizerController:
         if self.observation is not None:
             self.observation.on_step(closure)
         if not self.decided:
-            self._decide(opt)
+            with guard.fallback(self, opt, "choosing the mode"):
+                self._decide(opt)
         if self.strategy is None:
             return None
-        replacement = self.strategy.before_step(closure)
+        replacement = guard.before_step(self, opt, closure)
         if replacement is None:
             return None
         if len(args) > 1:
@@ -265,10 +267,11 @@ class OptimizerController:
         if self._depth > 0:
             return
         if self.strategy is not None:
-            self.strategy.after_step()
+            guard.after_step(self, opt)
         if self.observation is not None:
             if self.observation.done:
-                self._conclude(opt)
+                with guard.fallback(self, opt, "choosing the mode"):
+                    self._conclude(opt)
             else:
                 self.observation.on_step_end()
         if self._t0 is not None:
@@ -278,11 +281,13 @@ class OptimizerController:
             listener(self)
 
     def _flush_hook(self, opt, *args):
-        self.flush()    # before state_dict()/load_state_dict(): nothing pending, nothing swapped
+        with guard.fallback(self, opt, "flushing"):
+            self.flush()    # before state_dict()/load_state_dict(): nothing pending, nothing swapped
 
     def _after_load(self, opt):
         if self.strategy is not None:
-            self.strategy.invalidate()
+            with guard.fallback(self, opt, "re-planning after load_state_dict()"):
+                self.strategy.invalidate()
 
     def release(self):
         """Apply anything pending and remove every hook; the optimizer goes on as unpatched."""
