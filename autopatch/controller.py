@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from . import guard
+from . import guard, sharded
 from .fusion.backward import BackwardFusion
 from .fusion.chunk_step import raw_step_of
 from .fusion.chunking import default_chunk_bytes
@@ -106,6 +106,8 @@ class OptimizerController:
     def check(self, opt, mode):
         """None when ``mode`` cannot change this optimizer's results, else the reason it might."""
         fusion = self.policy.fusion
+        if why := sharded.mode_refusal(opt, mode):
+            return why
         if mode in ("backward", "forward") and raw_step_of(opt) is None:
             return "its step() is not wrapped by torch's Optimizer hooks"
         if mode == "backward" and _world_size() > 1 and self._averaged_by(opt) is None:
@@ -119,7 +121,7 @@ class OptimizerController:
             if not result.fusable:
                 return result.reason
             self.bitwise = result.bitwise if self.bitwise is None else self.bitwise and result.bitwise
-        return None
+        return sharded.probe_refusal(opt, self.bitwise)
 
     def _averaged_by(self, opt):
         """Across processes, backward fusion updates a chunk once autopatch's allreduce has
@@ -142,6 +144,8 @@ class OptimizerController:
         if self.chunk_bytes is None:
             chunk = self.policy.fusion.chunk_bytes
             self.chunk_bytes = default_chunk_bytes(opt) if chunk == "auto" else chunk
+        if strategy := sharded.strategy_for(opt, mode, self.chunk_bytes):
+            return strategy
         if mode == "multi_layer":
             return MultiLayerStep(opt, self.chunk_bytes, owned_storages=self.owned_storages,
                                   compile=self.policy.fusion.compile)
