@@ -54,8 +54,15 @@ def _extent(p):
     return 1 + sum((n - 1) * s for n, s in zip(p.shape, p.stride()))
 
 
+_dtensor = []     # the DTensor class, once a program has imported it
+
+
 def is_dtensor(t):
     """True for a DTensor. A program holding one has imported torch.distributed.tensor already,
     so a program without one never pays for that import."""
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return dtensor is not None and isinstance(t, dtensor)
+    if not _dtensor:
+        cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        if cls is None:
+            return False
+        _dtensor.append(cls)
+    return isinstance(t, _dtensor[0])

@@ -25,6 +25,11 @@ out like the parameter. A parameter's first step runs on its DTensor, so the opt
 its state in the very form it creates unpatched; a state tensor that appears later is given the
 parameter's layout. A group steps on local shards entirely or on DTensors entirely (torch's
 foreach kernels refuse a list mixing both); the report counts why a group stayed on DTensors.
+
+What is known about a parameter is kept between steps and checked again only when something
+changed (its shard object, its placements, the objects in its state), so the swap costs a few
+microseconds per parameter; the local tensor is read as ``_local_tensor``, which is what
+``to_local()`` returns under ``no_grad`` (torch 2.13 wraps it in a fresh view for Parameters).
 """
 
 import weakref
@@ -39,6 +44,29 @@ _MISSING = object()
 _NEEDS_A_FIRST_STEP = "its first step runs on the DTensor, so the optimizer creates its state as unpatched"
 
 
+def _local(t):
+    local = getattr(t, "_local_tensor", None)
+    return t.to_local() if local is None else local
+
+
+class _Shard:
+    """What is known about one DTensor parameter while its local shard object stays the same."""
+    __slots__ = ("ref", "local", "placements", "shadow", "why", "state_ids")
+
+    def __init__(self, p, local):
+        self.ref, self.local, self.placements = weakref.ref(p), local, p.placements
+        self.shadow = torch.nn.Parameter(local, requires_grad=p.requires_grad)
+        self.state_ids = None        # ids of the state values last found laid out like the shard
+        self.why = None
+        if any(pl.is_partial() for pl in self.placements):
+            self.why = "Partial placement: its local tensor holds unreduced values"
+        elif type(local) not in _PLAIN or local.layout != torch.strided:
+            self.why = f"its local shard is a {type(local).__name__}, not a plain tensor"
+
+    def holds(self, p, local):
+        return self.local is local and self.placements is p.placements and self.ref() is p
+
+
 class LocalShardStep:
     """Swaps local-shard Parameters into an optimizer around each step (fusion-mode protocol)."""
 
@@ -47,53 +75,53 @@ class LocalShardStep:
     def __init__(self, optimizer, chunk_bytes=None):
         self.opt = optimizer
         self.chunk_bytes = chunk_bytes      # unused: kept so a mode switch can hand it on
-        self.shadows = {}      # id(param) -> (weakref to param, local shard's address, shadow)
+        self.shards = {}       # id(param) -> _Shard
         self.stepped = {}      # id(param) -> weakref: params the optimizer has stepped on their DTensor
-        self.swapped = []      # (group, the user's params list, [(param, shadow, state handed in)])
+        self.swapped = []      # (group, the user's params list, [(param, shard, state handed in)])
         self.excluded = {}     # reason -> parameters that stayed on their DTensor at the last step
         self.local_params = 0  # parameters stepped as local shards at the last step
         self.fused_steps = 0
         self.dtensor_group_steps = 0
 
     # -- what may step as a local shard ---------------------------------------------------------
-    def _why_not(self, p, local):
-        """None when ``p`` (a DTensor with a gradient) can step as ``local``, its shard, else why."""
-        if any(pl.is_partial() for pl in p.placements):
-            return "Partial placement: its local tensor holds unreduced values"
-        if type(local) not in _PLAIN or local.layout != torch.strided:
-            return f"its local shard is a {type(local).__name__}, not a plain tensor"
+    def _shard(self, p):
+        """``p``'s _Shard, and None when ``p`` (a DTensor with a gradient) can step as its local
+        shard this time, else the reason it cannot."""
+        local = _local(p)
+        shard = self.shards.get(id(p))
+        if shard is None or not shard.holds(p, local):
+            shard = self.shards[id(p)] = _Shard(p, local)
+        return shard, shard.why or self._grad_differs(p, shard) or self._state_differs(p, shard)
+
+    @staticmethod
+    def _grad_differs(p, shard):
         g = p.grad
-        if not is_dtensor(g) or g.placements != p.placements:
+        if not is_dtensor(g) or (g.placements is not shard.placements and g.placements != shard.placements):
             return "its gradient is not laid out like the parameter (needs a reduction first)"
-        g_local = g.to_local()
-        if type(g_local) not in _PLAIN or g_local.shape != local.shape or g_local.layout != torch.strided:
+        g_local = _local(g)
+        if type(g_local) not in _PLAIN or g_local.shape != shard.local.shape or g_local.layout != torch.strided:
             return "its gradient's local shard differs from the parameter's"
+        return None
+
+    def _state_differs(self, p, shard):
         state = self.opt.state.get(p)
-        if state is None and not self._has_stepped(p):
-            return _NEEDS_A_FIRST_STEP
-        for key, v in (state or {}).items():
+        if state is None:
+            ref = self.stepped.get(id(p))
+            return None if ref is not None and ref() is p else _NEEDS_A_FIRST_STEP
+        ids = tuple(map(id, state.values()))
+        if ids == shard.state_ids:
+            return None
+        for key, v in state.items():
             if is_dtensor(v):
                 if v.dim() == 0 and not any(pl.is_partial() for pl in v.placements):
                     continue
-                if (v.placements != p.placements or v.shape != p.shape or v.to_local().shape != local.shape
+                if (v.placements != p.placements or v.shape != p.shape or _local(v).shape != shard.local.shape
                         or (v.device_mesh is not p.device_mesh and v.device_mesh != p.device_mesh)):
                     return f"optimizer state '{key}' is laid out differently from the parameter"
             elif isinstance(v, torch.Tensor) and v.dim() > 0:
                 return f"optimizer state '{key}' is a plain tensor beside a DTensor parameter"
+        shard.state_ids = ids
         return None
-
-    def _has_stepped(self, p):
-        ref = self.stepped.get(id(p))
-        return ref is not None and ref() is p
-
-    def _shadow(self, p, local):
-        """A plain Parameter over ``local``, ``p``'s shard, reused while the shard stays where it is."""
-        where = (local.data_ptr(), local.shape, local.stride())
-        ref, at, shadow = self.shadows.get(id(p), (None, None, None))
-        if ref is None or ref() is not p or at != where:
-            shadow = torch.nn.Parameter(local, requires_grad=p.requires_grad)
-            self.shadows[id(p)] = (weakref.ref(p), where, shadow)
-        return shadow
 
     # -- the step -------------------------------------------------------------------------------
     def swap_in(self):
@@ -108,33 +136,31 @@ class LocalShardStep:
 
     def _swap_group(self, group):
         params = group["params"]
-        pairs, blocked = [], []
+        ready, blocked = [], []
         for i, p in enumerate(params):
-            if not is_dtensor(p) or p.grad is None:
+            if p.grad is None or not is_dtensor(p):
                 continue        # plain tensors step as they are; without a grad, the optimizer skips it
-            local = p.to_local()
-            why = self._why_not(p, local)
+            shard, why = self._shard(p)
             if why:
                 blocked.append(why)
             else:
-                pairs.append((i, p, local))
+                ready.append((i, p, shard))
         if blocked:
-            self._stays_on_dtensors(params, blocked, len(pairs))
-        if blocked or not pairs:
+            self._stays_on_dtensors(params, blocked, len(ready))
+        if blocked or not ready:
             return
         swapped = list(params)
         done = []
-        for i, p, local in pairs:
-            s = self._shadow(p, local)
-            s.grad = p.grad.to_local()
-            state = self.opt.state.get(p)
+        state_of = self.opt.state
+        for i, p, shard in ready:
+            s = swapped[i] = shard.shadow
+            s.grad = _local(p.grad)
+            state = state_of.get(p)
+            handed = None
             if state is not None:
-                handed = {k: v.to_local() if is_dtensor(v) else v for k, v in state.items()}
-                self.opt.state[s] = dict(handed)
-            else:
-                handed = None
-            swapped[i] = s
-            done.append((p, local, s, handed))
+                handed = {k: _local(v) if is_dtensor(v) else v for k, v in state.items()}
+                state_of[s] = dict(handed)
+            done.append((p, shard, handed))
         group["params"] = swapped
         self.swapped.append((group, params, done))
         self.local_params += len(done)
@@ -150,37 +176,39 @@ class LocalShardStep:
             self.excluded[why] = self.excluded.get(why, 0) + ready
         self.dtensor_group_steps += 1
         for p in params:
-            if is_dtensor(p) and p.grad is not None:
+            if p.grad is not None and is_dtensor(p):
                 self.stepped[id(p)] = weakref.ref(p)
 
     def restore(self):
         """Put the DTensors back and carry what the step did to the shards' state over to them."""
         swapped, self.swapped = self.swapped, []
         failure = None
-        for group, params, done in swapped:
-            group["params"] = params
-            for p, local, s, handed in done:
-                s.grad = None
-                state = self.opt.state.pop(s, None)
-                if failure is None and state is not None:
-                    with torch.no_grad():
-                        failure = self._carry_back(p, local, s, state, handed or {})
+        with torch.no_grad():
+            for group, params, done in swapped:
+                group["params"] = params
+                for p, shard, handed in done:
+                    shard.shadow.grad = None
+                    state = self.opt.state.pop(shard.shadow, None)
+                    if failure is None and state is not None:
+                        failure = self._carry_back(p, shard, state, handed or {})
         if failure:
             raise NotFusable(f"{type(self.opt).__qualname__} cannot step local shards: {failure}")
 
-    def _carry_back(self, p, local, s, state, handed):
+    def _carry_back(self, p, shard, state, handed):
         """Mirror the shard's state into ``p``'s: changed entries only, as DTensors where full-size."""
+        s, local = shard.shadow, shard.local
         if s.data_ptr() != local.data_ptr():    # the optimizer replaced s.data: write it back
             local.copy_(s.detach())
             s.data = local
         mine = self.opt.state[p]
-        for key in [k for k in mine if k not in state]:
-            del mine[key]
+        if len(mine) != len(state):
+            for key in [k for k in mine if k not in state]:
+                del mine[key]
         for key, v in state.items():
             if handed.get(key, _MISSING) is v:
                 continue                # updated in place, as nearly every optimizer does
             old = mine.get(key)
-            if isinstance(v, torch.Tensor) and is_dtensor(old) and v.shape == old.to_local().shape:
+            if isinstance(v, torch.Tensor) and is_dtensor(old) and v.shape == _local(old).shape:
                 v = _dtensor_like(v, old)
             elif isinstance(v, torch.Tensor) and v.dim() > 0:
                 if v.shape != local.shape:
@@ -211,9 +239,9 @@ class LocalShardStep:
         self.restore()
 
     def invalidate(self):
-        """State was loaded or params replaced from outside: forget every cached shard."""
+        """State was loaded or params replaced from outside: forget what was known."""
         self.restore()
-        self.shadows = {}
+        self.shards = {}
 
     def set_chunk_bytes(self, chunk_bytes):
         self.chunk_bytes = int(chunk_bytes)
