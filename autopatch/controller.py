@@ -224,11 +224,12 @@ class OptimizerController:
         opt = self.ref()
         if opt is None or mode == self.mode or guard.fell_back(self):
             return self.mode
-        if not self.decided:
-            self._decide(opt)
-        if mode != "off" and self.check(opt, mode) is not None:
-            return self.mode
-        self._activate(opt, mode, f"switched to {mode} at run time")
+        with guard.fallback(self, opt, f"switching to {mode}"):
+            if not self.decided:
+                self._decide(opt)
+            if mode != "off" and self.check(opt, mode) is not None:
+                return self.mode
+            self._activate(opt, mode, f"switched to {mode} at run time")
         return self.mode
 
     def set_chunk_bytes(self, chunk_bytes):
