@@ -17,6 +17,7 @@ import warnings
 
 import autopatch
 from .fusion.chunking import default_chunk_bytes
+from .fusion.eligibility import foreign_memory
 from .fusion.flat import FlatRun, state_signature
 from .fusion.multi_layer import MultiLayerStep, _GroupPlan, unfusable_param
 from .fusion.probe import probe
@@ -210,7 +211,7 @@ def _overlapping(groups):
     spans = []   # (storage ptr, first byte, bytes spanned, param)
     for g in groups:
         for p in g["params"]:
-            if p.numel():
+            if p.numel() and not foreign_memory(p):   # never read a storage that is not there
                 elems = 1 + sum((n - 1) * s for n, s in zip(p.shape, p.stride()))
                 size = p.element_size()
                 spans.append((p.untyped_storage().data_ptr(), p.storage_offset() * size, elems * size, p))

@@ -16,6 +16,7 @@ import weakref
 
 import torch
 
+from . import guard, sharded
 from .fusion.backward import BackwardFusion
 from .fusion.chunk_step import raw_step_of
 from .fusion.chunking import default_chunk_bytes
@@ -105,6 +106,8 @@ class OptimizerController:
     def check(self, opt, mode):
         """None when ``mode`` cannot change this optimizer's results, else the reason it might."""
         fusion = self.policy.fusion
+        if why := sharded.mode_refusal(opt, mode):
+            return why
         if mode in ("backward", "forward") and raw_step_of(opt) is None:
             return "its step() is not wrapped by torch's Optimizer hooks"
         if mode == "backward" and _world_size() > 1 and self._averaged_by(opt) is None:
@@ -118,7 +121,7 @@ class OptimizerController:
             if not result.fusable:
                 return result.reason
             self.bitwise = result.bitwise if self.bitwise is None else self.bitwise and result.bitwise
-        return None
+        return sharded.probe_refusal(opt, self.bitwise)
 
     def _averaged_by(self, opt):
         """Across processes, backward fusion updates a chunk once autopatch's allreduce has
@@ -141,6 +144,8 @@ class OptimizerController:
         if self.chunk_bytes is None:
             chunk = self.policy.fusion.chunk_bytes
             self.chunk_bytes = default_chunk_bytes(opt) if chunk == "auto" else chunk
+        if strategy := sharded.strategy_for(opt, mode, self.chunk_bytes):
+            return strategy
         if mode == "multi_layer":
             return MultiLayerStep(opt, self.chunk_bytes, owned_storages=self.owned_storages,
                                   compile=self.policy.fusion.compile)
@@ -217,13 +222,14 @@ class OptimizerController:
         """Switch between steps; lossless by construction. Returns the mode in effect: a mode
         the checks reject for this optimizer is refused and the current one kept."""
         opt = self.ref()
-        if opt is None or mode == self.mode:
+        if opt is None or mode == self.mode or guard.fell_back(self):
             return self.mode
-        if not self.decided:
-            self._decide(opt)
-        if mode != "off" and self.check(opt, mode) is not None:
-            return self.mode
-        self._activate(opt, mode, f"switched to {mode} at run time")
+        with guard.fallback(self, opt, f"switching to {mode}"):
+            if not self.decided:
+                self._decide(opt)
+            if mode != "off" and self.check(opt, mode) is not None:
+                return self.mode
+            self._activate(opt, mode, f"switched to {mode} at run time")
         return self.mode
 
     def set_chunk_bytes(self, chunk_bytes):
@@ -250,10 +256,11 @@ class OptimizerController:
         if self.observation is not None:
             self.observation.on_step(closure)
         if not self.decided:
-            self._decide(opt)
+            with guard.fallback(self, opt, "choosing the mode"):
+                self._decide(opt)
         if self.strategy is None:
             return None
-        replacement = self.strategy.before_step(closure)
+        replacement = guard.before_step(self, opt, closure)
         if replacement is None:
             return None
         if len(args) > 1:
@@ -265,10 +272,11 @@ class OptimizerController:
         if self._depth > 0:
             return
         if self.strategy is not None:
-            self.strategy.after_step()
+            guard.after_step(self, opt)
         if self.observation is not None:
             if self.observation.done:
-                self._conclude(opt)
+                with guard.fallback(self, opt, "choosing the mode"):
+                    self._conclude(opt)
             else:
                 self.observation.on_step_end()
         if self._t0 is not None:
@@ -278,11 +286,13 @@ class OptimizerController:
             listener(self)
 
     def _flush_hook(self, opt, *args):
-        self.flush()    # before state_dict()/load_state_dict(): nothing pending, nothing swapped
+        with guard.fallback(self, opt, "flushing"):
+            self.flush()    # before state_dict()/load_state_dict(): nothing pending, nothing swapped
 
     def _after_load(self, opt):
         if self.strategy is not None:
-            self.strategy.invalidate()
+            with guard.fallback(self, opt, "re-planning after load_state_dict()"):
+                self.strategy.invalidate()
 
     def release(self):
         """Apply anything pending and remove every hook; the optimizer goes on as unpatched."""

@@ -6,7 +6,7 @@ Kept free of heavy imports: the start-up gate reads it before the user's program
 import os
 
 ENABLE = "FUSEDOPT_ENABLE"        # 1/true: enable at start-up; 0/false/unset: do not; else warn, stay off
-STRICT = "FUSEDOPT_STRICT"        # 1: start-up problems are fatal instead of a warning
+STRICT = "FUSEDOPT_STRICT"        # 1: start-up problems and autopatch's failures in a step raise instead of a warning
 POLICY = "FUSEDOPT_POLICY"        # builtin policy name or path to a YAML file
 MODE = "FUSEDOPT_MODE"            # overrides fusion.mode
 CHUNK_BYTES = "FUSEDOPT_CHUNK_BYTES"  # overrides fusion.chunk_bytes

@@ -29,7 +29,7 @@ class Runtime:
         self.comm = None   # the DDP takeover (comm/), once DistributedDataParallel is imported
         # Report sections other rooms add (allreduce, autotune): name -> callable returning a dict.
         self.sections = {
-            "allreduce": self._describe_allreduce,
+            "allreduce": self._describe_collectives,
             "autotune": lambda: {"active": False, "reason": "autotune is not available in this version"
                                  if policy.autotune.enabled else "autotune.enabled is false"},
         }
@@ -84,6 +84,11 @@ class Runtime:
                                 hierarchical=ar.hierarchical, timeout_seconds=ar.timeout_seconds,
                                 warn=ar.enabled is True)
         self.comm.install(module)
+
+    def _describe_collectives(self):
+        """The allreduce section; with sharded parameters it says their collectives stay FSDP's."""
+        from .sharded import note_collectives
+        return note_collectives(self, self._describe_allreduce())
 
     def _describe_allreduce(self):
         if self.comm is not None:

@@ -12,24 +12,12 @@ import torch
 
 from .chunk_step import raw_step_of
 from .chunking import bounded_chunk_bytes
+from .eligibility import unfusable_param
 from .flat import FlatRun, state_signature
 
 
 class NotFusable(RuntimeError):
     """The optimizer's state after a fused step has no per-parameter form."""
-
-
-def unfusable_param(p):
-    """Why a parameter can never live in a flat run, or None."""
-    if p.numel() == 0:
-        return "empty parameter"
-    if not p.requires_grad:
-        return "frozen (requires_grad=False)"
-    if p.is_sparse or not p.dtype.is_floating_point:
-        return "sparse or non-floating parameter"
-    if type(p) not in (torch.nn.Parameter, torch.Tensor):
-        return f"tensor subclass {type(p).__name__}"
-    return None
 
 
 def split_by_grads(runs):

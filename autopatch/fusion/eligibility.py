@@ -1,0 +1,68 @@
+"""Which parameters may move into a flat buffer, decided from metadata alone.
+
+Planning moves a parameter's ``.data`` into autopatch's own buffer, so it must only see tensors
+whose memory nobody else manages. A DTensor (FSDP2, tensor parallel) or another wrapper subclass
+has no storage of its own to read; FSDP1 re-points its ``FlatParameter`` and the
+``use_orig_params`` views into it at every forward, so a moved one would be silently switched
+back; and reading a storage that was freed or shrunk crashes the process instead of raising.
+Every check here reads only type, flags and sizes, never the values, so it is safe on all of them.
+"""
+
+import sys
+
+import torch
+
+
+def unfusable_param(p):
+    """Why ``p`` can never live in a flat run, or None."""
+    if p.numel() == 0:
+        return "empty parameter"
+    if not p.requires_grad:
+        return "frozen (requires_grad=False)"
+    if p.layout != torch.strided or not p.dtype.is_floating_point:
+        return "sparse or non-floating parameter"
+    return foreign_memory(p)
+
+
+def foreign_memory(p):
+    """Why ``p``'s memory is not autopatch's to read or move, or None."""
+    if p.layout != torch.strided:
+        return "sparse layout: no single storage"
+    if is_dtensor(p):
+        return "DTensor (FSDP2 or tensor parallel): its storage belongs to its local shard"
+    if type(p) not in (torch.nn.Parameter, torch.Tensor):
+        return f"tensor subclass {type(p).__name__}"
+    if getattr(p, "_is_flat_param", False):
+        return "FSDP1 FlatParameter: FSDP swaps its data at every forward"
+    if getattr(p, "_fsdp_flattened", False):
+        return "FSDP1 use_orig_params view: FSDP re-points it at every forward"
+    if p.is_meta:
+        return "meta tensor (no data yet)"
+    try:
+        nbytes = p.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError) as e:   # storage of an unusual tensor type
+        return f"storage cannot be read ({type(e).__name__})"
+    if nbytes < (p.storage_offset() + _extent(p)) * p.element_size():
+        return "storage is freed or smaller than the parameter (resized)"
+    return None
+
+
+def _extent(p):
+    """Elements from the first to one past the last that ``p`` addresses."""
+    if p.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(p.shape, p.stride()))
+
+
+_dtensor = []     # the DTensor class, once a program has imported it
+
+
+def is_dtensor(t):
+    """True for a DTensor. A program holding one has imported torch.distributed.tensor already,
+    so a program without one never pays for that import."""
+    if not _dtensor:
+        cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        if cls is None:
+            return False
+        _dtensor.append(cls)
+    return isinstance(t, _dtensor[0])

@@ -1,0 +1,330 @@
+"""The optimizer step of FSDP2: unpatched (over DTensors), autopatch (over the plain local shards)
+and the flat-chunks option autopatch does not take, side by side in one run.
+
+Every contender owns a copy of the same FSDP2 model and its own optimizer; only the first
+(unpatched) one runs forward and backward, and each step its gradients are copied into the
+others' parameters, so every contender steps from the same gradients and nothing but
+``optimizer.step()`` is timed. The contenders take turns inside every step, the first one rotating
+from step to step; medians over all timed steps are quoted, and "vs unpatched" is the median of
+the per-step ratios, both sides measured within milliseconds of each other.
+
+- unpatched: the optimizer over FSDP2's DTensor parameters;
+- autopatch: the same optimizer under autopatch (policy ``multi_layer``, which mode ``auto`` picks
+  too), which steps the plain local shards and holds no memory of its own;
+- flat copy: the option autopatch does not take, measured: the optimizer steps a copy of the
+  local shards under autopatch's ``multi_layer`` (flat buffers, chunks), and every step copies
+  the result back into FSDP's shards. It holds a second copy of the shards and of the gathered
+  gradients ("extra memory"). Copying the shards *in* again when something else wrote them
+  (loading a checkpoint) is left out, so this is its best case.
+
+Every contender must end with the unpatched weights and optimizer state bit for bit, on every
+rank, or the run stops.
+
+    python benchmarks/bench_fsdp.py            # 2 gloo ranks on 127.0.0.1, a few minutes
+    python benchmarks/bench_fsdp.py --quick    # smoke run
+    python benchmarks/bench_fsdp.py --gpu      # 1 rank, GPT-2 124M on CUDA (needs a GPU)
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+MiB = 2**20
+CONTENDERS = ("unpatched", "autopatch", "flat copy")
+
+
+def mlp(width, depth):
+    """``depth`` x (Linear, LayerNorm, GELU) + a Linear head: 4 * depth + 2 parameter tensors."""
+    from torch import nn
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.LayerNorm(width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, 4))
+
+
+def shard_mlp(model):
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m)
+    return fully_shard(model)
+
+
+def gpt2(device):
+    """GPT-2 124M from its config, random weights, each block and the root sharded by FSDP2."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config()).to(device)
+    for block in model.transformer.h:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def optimizers():
+    import torch
+    from training import BertAdam
+    return {"AdamW": lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01),
+            "BertAdam": lambda params: BertAdam(params, lr=1e-4)}
+
+
+def under_autopatch(opt):
+    """Put ``opt`` alone under autopatch, as ``enable()`` would, with a runtime of its own so the
+    unpatched contender stays untouched."""
+    from autopatch import policy as ap_policy
+    from autopatch.runtime import Runtime
+    rt = Runtime(ap_policy.load("multi_layer"))
+    rt.adopt(opt)
+    return rt.controllers[-1]
+
+
+class Contender:
+    def __init__(self, name, model, opt, controller=None, step=None):
+        self.name, self.model, self.opt, self.controller = name, model, opt, controller
+        self.params = list(model.parameters())
+        self._step = step or opt.step
+        self.times = []
+
+    def take_grads(self, ref_params):
+        for p, r in zip(self.params, ref_params):
+            p.grad = None if r.grad is None else r.grad.detach().clone()
+
+    def step(self, sync, record):
+        sync()
+        t0 = time.perf_counter()
+        self._step()
+        sync()
+        if record:
+            self.times.append(time.perf_counter() - t0)
+        self.opt.zero_grad()
+
+    def extra_bytes(self):
+        if self.name != "flat copy":
+            return 0
+        fusion = self.controller.describe()["fusion"]
+        return fusion["flat_bytes"] + fusion["gathered_grad_bytes"]
+
+
+class FlatCopy:
+    """The flat-chunks option: step a copy of the local shards in autopatch's flat buffers, then
+    write the result back into FSDP's shards."""
+
+    def __init__(self, params, make_opt):
+        import torch
+        with torch.no_grad():
+            self.params = params
+            self.shards = [p.to_local() for p in params]
+            self.copies = [torch.nn.Parameter(s.detach().clone()) for s in self.shards]
+        self.opt = make_opt(self.copies)
+        self.controller = under_autopatch(self.opt)
+
+    def step(self):
+        import torch
+        with torch.no_grad():
+            for c, p in zip(self.copies, self.params):
+                c.grad = None if p.grad is None else p.grad.to_local()
+            self.opt.step()
+            torch._foreach_copy_(self.shards, [c.detach() for c in self.copies])
+
+    def zero_grad(self):
+        for c in self.copies:
+            c.grad = None
+
+    def state_dict(self):
+        return self.opt.state_dict()
+
+
+def contenders(build, make_opt):
+    import torch
+    out = []
+    for name in CONTENDERS:
+        torch.manual_seed(0)
+        model = build()
+        if name == "unpatched":
+            out.append(Contender(name, model, make_opt(model.parameters())))
+        elif name == "autopatch":
+            opt = make_opt(model.parameters())
+            out.append(Contender(name, model, opt, controller=under_autopatch(opt)))
+        else:
+            flat = FlatCopy(list(model.parameters()), make_opt)
+            out.append(Contender(name, model, flat, controller=flat.controller, step=flat.step))
+    return out
+
+
+def local(t):
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def check_equal(ref, other):
+    """Same local shards and optimizer state as unpatched, bit for bit, and autopatch really ran
+    its fused step."""
+    import torch
+    for i, (a, b) in enumerate(zip(ref.params, other.params)):
+        assert torch.equal(local(a).detach(), local(b).detach()), f"{other.name}: parameter {i} differs"
+    sa, sb = ref.opt.state_dict()["state"], other.opt.state_dict()["state"]
+    assert sa.keys() == sb.keys(), f"{other.name}: state entries differ"
+    for k in sa:
+        assert sa[k].keys() == sb[k].keys(), f"{other.name}: state keys of {k} differ"
+        for key, va in sa[k].items():
+            vb = sb[k][key]
+            same = (torch.equal(local(va), local(vb)) if isinstance(va, torch.Tensor) else va == vb)
+            assert same, f"{other.name}: state {k}.{key} differs"
+    fusion = other.controller.describe().get("fusion", {})
+    assert other.controller.mode == "multi_layer" and fusion.get("fused_steps", 0) > 0, \
+        f"{other.name}: autopatch did not run its fused step ({other.controller.reason})"
+    if other.name == "autopatch":
+        assert fusion.get("layout") == "local_shards", f"autopatch ran {fusion}"
+
+
+def measure(build, make_opt, batch, steps, warmup, sync=lambda: None, autocast=None):
+    """Train the first contender; every step, each contender steps from its gradients in turn."""
+    import contextlib
+    import torch
+    runners = contenders(build, make_opt)
+    ref = runners[0]
+    for i in range(warmup + steps):
+        loss = batch(i, ref.model)
+        with autocast() if autocast else contextlib.nullcontext():
+            value = loss()
+        value.backward()
+        for r in runners[1:]:
+            r.take_grads(ref.params)
+        k = i % len(runners)
+        for r in runners[k:] + runners[:k]:
+            r.step(sync, record=i >= warmup)
+    for r in runners[1:]:
+        check_equal(ref, r)
+    out = {}
+    for r in runners:
+        ratios = [t / u for t, u in zip(r.times, ref.times)]
+        out[r.name] = {"median_ms": 1e3 * statistics.median(r.times), "min_ms": 1e3 * min(r.times),
+                       "ratio": statistics.median(ratios), "extra_bytes": r.extra_bytes(),
+                       "tensors": len(r.params), "params": sum(p.numel() for p in r.params)}
+    return out
+
+
+# -- CPU: 2 gloo ranks --------------------------------------------------------------------------
+CPU_MODELS = {"6 x (Linear 64, LayerNorm, GELU) + head": (64, 6),
+              "6 x (Linear 512, LayerNorm, GELU) + head": (512, 6),
+              "6 x (Linear 2048, LayerNorm, GELU) + head": (2048, 6)}
+
+
+def cpu_worker(args):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=300))
+    results = []
+    for model_name, (width, depth) in CPU_MODELS.items():
+        def batch(i, model):
+            g = torch.Generator().manual_seed(1000 * args.rank + i)
+            x, y = torch.randn(16, width, generator=g), torch.randint(0, 4, (16,), generator=g)
+            return lambda: nn.functional.cross_entropy(model(x), y)
+        for opt_name, make_opt in optimizers().items():
+            res = measure(lambda: shard_mlp(mlp(width, depth)), make_opt, batch, args.steps, args.warmup)
+            for name, r in res.items():
+                results.append(dict(r, model=model_name, optimizer=opt_name, contender=name))
+    if args.rank == 0:
+        print(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_cpu(args):
+    init = os.path.join(tempfile.mkdtemp(), "init")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT / "tests"))
+    env.pop("FUSEDOPT_ENABLE", None)
+    cmd = [sys.executable, __file__, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    start = time.time()
+    procs = [subprocess.Popen(cmd + ["--rank", str(r), "--init", init], env=env, stdout=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    out = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        sys.exit("a rank failed (see its traceback above)")
+    rows = json.loads(out[0].strip().splitlines()[-1])
+    print(context("2 gloo ranks on 127.0.0.1, 1 thread each", args, time.time() - start))
+    print(table(rows))
+
+
+# -- GPU: 1 rank, GPT-2 124M ----------------------------------------------------------------------
+def run_gpu(args):
+    import torch
+    if not torch.cuda.is_available():
+        print("bench_fsdp --gpu: CUDA is not available on this machine; nothing measured.")
+        return
+    import torch.distributed as dist
+    init = os.path.join(tempfile.mkdtemp(), "init")
+    dist.init_process_group("nccl", init_method=f"file://{init}", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    start = time.time()
+    rows = []
+    for opt_name, make_opt in optimizers().items():
+        def batch(i, model):
+            g = torch.Generator().manual_seed(i)
+            ids = torch.randint(0, 50257, (args.gpu_batch, 256), generator=g).cuda()
+            return lambda: model(input_ids=ids, labels=ids).loss
+        res = measure(lambda: gpt2("cuda"), make_opt, batch, args.steps, args.warmup,
+                      sync=torch.cuda.synchronize, autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+        for name, r in res.items():
+            rows.append(dict(r, model="GPT-2 124M (1 rank, bf16 autocast)", optimizer=opt_name, contender=name))
+        torch.cuda.empty_cache()
+    print(context(f"1 rank, {torch.cuda.get_device_name()}", args, time.time() - start))
+    print(table(rows))
+    dist.destroy_process_group()
+
+
+# -- reporting ------------------------------------------------------------------------------------
+def context(where, args, seconds):
+    import torch
+    from run_context import autopatch_revision, cpu_model, load_average
+    return (f"bench_fsdp {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+            f"autopatch {autopatch_revision()}, torch {torch.__version__}, Python {platform.python_version()}\n"
+            f"{cpu_model()}, {os.cpu_count()} cores, load average {load_average()}; {where}; "
+            f"{args.warmup} warm-up + {args.steps} timed steps per contender; {seconds:.0f} s\n")
+
+
+def table(rows):
+    from run_context import markdown
+    body = []
+    for r in rows:
+        ratio = "1.000" if r["contender"] == "unpatched" else f"{r['ratio']:.3f}"
+        model = f"{r['model']} ({r['tensors']} tensors, {r['params'] / 1e6:.2f} M)"
+        body.append([model, r["optimizer"], r["contender"], f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}",
+                     ratio, f"{r['extra_bytes'] / MiB:.2f}"])
+    return markdown(["model", "optimizer", "contender", "step, median (ms)", "step, min (ms)",
+                     "vs unpatched (median of per-step ratios)", "extra memory (MiB)"], body)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="few steps: a smoke run")
+    ap.add_argument("--gpu", action="store_true", help="GPT-2 124M on one CUDA device instead")
+    ap.add_argument("--gpu-batch", type=int, default=8)
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--init", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.warmup = 6, 2
+    if args.rank is not None:
+        return cpu_worker(args)
+    return run_gpu(args) if args.gpu else run_cpu(args)
+
+
+if __name__ == "__main__":
+    main()
