@@ -20,6 +20,8 @@ class Runtime:
         self.ledger = Ledger()
         self.controllers = []
         self.step_listeners = []   # called with the controller after every optimizer step
+        self.switch_listeners = []  # called with the controller after each change of its mode
+        self.auto_listeners = []   # called with the controller and mode auto's figures, per choice
         self.forward_fusions = set()   # controllers in mode forward, with updates to apply
         self._forward_hooks = False
         self._optimizers_patched = False

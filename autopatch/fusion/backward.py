@@ -14,7 +14,7 @@ grads then stay where they are (views of the allreduce's flat buffer, as after D
 Only correct when the gradient at the end of one backward is the one ``step()`` would use: no
 gradient accumulation, clipping, GradScaler, or other reads of grads or params between backward and
 ``step()``. Mode ``auto`` checks that before choosing it; a second backward before ``step()`` is an
-error here rather than a silently different result.
+error here rather than a silently different result (not strict: fusion stops and ``unsafe`` says so).
 """
 
 import torch
@@ -30,8 +30,12 @@ class AccumulationError(RuntimeError):
 class BackwardFusion:
     mode = "backward"
 
-    def __init__(self, optimizer, chunk_bytes, owned_storages=None, averaged_by=None):
+    def __init__(self, optimizer, chunk_bytes, owned_storages=None, averaged_by=None, strict=True):
         self.opt = optimizer
+        # Not strict: where it would raise, it stops fusing instead, ``unsafe`` says why, and
+        # step() updates what backward did not (the caller then leaves this mode).
+        self.strict = strict
+        self.unsafe = None
         self.raw_step = raw_step_of(optimizer)
         self.planner = MultiLayerStep(optimizer, chunk_bytes, align=True, grad_buffer=False,
                                       owned_storages=owned_storages)
@@ -80,14 +84,20 @@ class BackwardFusion:
 
     def _on_grad(self, p):
         where = self.where.get(id(p))
-        if where is None:
+        if where is None or self.unsafe:
             return
         if id(p) in self.ready:
+            if not self.strict:
+                self.unsafe = "a parameter received a second gradient before step() (gradient accumulation)"
+                return
             raise AccumulationError(
                 "autopatch mode 'backward': a parameter received a second gradient before "
                 "optimizer.step() (gradient accumulation, or a step skipped by GradScaler); "
                 "use mode 'forward', 'multi_layer' or 'auto' for this optimizer")
         if torch.is_grad_enabled() and self.averaged_by is None:
+            if not self.strict:
+                self.unsafe = "backward with create_graph=True (double backward)"
+                return
             raise AccumulationError("autopatch mode 'backward' cannot run under create_graph=True "
                                     "(double backward); use mode 'multi_layer' or 'auto'")
         self.ready.add(id(p))
