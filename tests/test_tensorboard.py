@@ -34,6 +34,23 @@ def logdir(tmp_path_factory):
     return logs, report
 
 
+AUTO_YAML = "version: 1\nfusion:\n  mode: auto\n  observe_steps: 2\n  measure_steps: 48\n"
+
+
+@pytest.fixture(scope="module")
+def auto_run(logdir, tmp_path_factory):
+    """A real run of the example under mode auto (no autotune), logging to the run ``auto``."""
+    tmp = tmp_path_factory.mktemp("tb-auto")
+    (tmp / "auto.yaml").write_text(AUTO_YAML)
+    out = run_python([ROOT / "examples" / "train_mlp.py", "--steps", "120", "--depth", "8"],
+                     env=clean_env(FUSEDOPT_ENABLE=1, FUSEDOPT_POLICY=tmp / "auto.yaml",
+                                   FUSEDOPT_LOGDIR=logdir[0] / "auto", FUSEDOPT_REPORT=tmp / "report.json"))
+    assert out.returncode == 0, out.stderr
+    auto = json.loads((tmp / "report.json").read_text())["optimizers"][0]["auto"]
+    assert auto["chosen"] in auto["candidates"] and not auto["measuring"], auto
+    return auto
+
+
 def test_scalars_and_hparams_sessions_read_back(logdir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
@@ -71,7 +88,7 @@ def get(url, timeout=10):
 
 
 @pytest.fixture(scope="module")
-def server(logdir, tmp_path_factory):
+def server(logdir, auto_run, tmp_path_factory):
     logs, report = logdir
     port = free_port()
     log = (tmp_path_factory.mktemp("server") / "tensorboard.log").open("w")
@@ -88,25 +105,29 @@ def server(logdir, tmp_path_factory):
             pass
         assert proc.poll() is None and time.time() < deadline, f"tensorboard did not start, see {log.name}"
         time.sleep(0.5)
-    yield base, report
+    yield base, report, auto_run
     proc.terminate()
     proc.wait(timeout=20)
     log.close()
 
 
 def test_plugin_routes_serve_the_run(server):
-    base, report = server
+    base, report, auto = server
     listing = json.loads(get(f"{base}/data/plugins_listing")[2])
     assert listing["autopatch"]["enabled"] is True
     assert listing["autopatch"]["loading_mechanism"] == {"type": "IFRAME", "module_path": "/data/plugin/autopatch/index.js"}
     status, ctype, js = get(f"{base}/data/plugin/autopatch/index.js")
     assert status == 200 and "javascript" in ctype and "export async function render" in js
-    assert json.loads(get(f"{base}/data/plugin/autopatch/runs")[2])["runs"] == ["."]
+    assert json.loads(get(f"{base}/data/plugin/autopatch/runs")[2])["runs"] == [".", "auto"]
     run = json.loads(get(f"{base}/data/plugin/autopatch/run?run=.")[2])
     assert [t["score"] for t in run["trials"]] == [t["score"] for t in report["trials"]]
     assert run["frozen"]["config"] == report["best"]["config"]
     assert run["best_trial"] == report["best"]["trial"]
     assert set(run["breakdown"]) >= {t["modes"][0] for t in report["trials"]}
+    assert run["auto"] == []              # autotune chose the mode there: auto did not measure
+    [measured] = json.loads(get(f"{base}/data/plugin/autopatch/run?run=auto")[2])["auto"]
+    assert measured["chosen"] == auto["chosen"] and measured["ms_per_step"] == auto["ms_per_step"]
+    assert measured["measure_steps"] == auto["measure_steps"] <= 48
     with pytest.raises(urllib.error.HTTPError):
         get(f"{base}/data/plugin/autopatch/run?run=../..")
 
@@ -149,8 +170,8 @@ def test_dashboard_tab_in_headless_chromium(server, tmp_path):
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as EC
-    from selenium.webdriver.support.ui import WebDriverWait
-    base, report = server
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+    base, report, auto = server
     opts = webdriver.ChromeOptions()
     opts.binary_location = chromium()
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -174,6 +195,12 @@ def test_dashboard_tab_in_headless_chromium(server, tmp_path):
         first = driver.find_element(By.CSS_SELECTOR, "#trials tbody tr").text.split()
         assert first[0] == str(report["best"]["trial"])
         assert driver.find_elements(By.CSS_SELECTOR, "#breakdown rect")
+        Select(driver.find_element(By.ID, "run-select")).select_by_value("auto")
+        wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#auto table tbody tr")))
+        modes = [r.text.split()[0] for r in driver.find_elements(By.CSS_SELECTOR, "#auto tbody tr")]
+        assert modes == auto["candidates"]
+        chosen = driver.find_element(By.CSS_SELECTOR, "#auto tr.chosen").text.split()
+        assert chosen[0] == auto["chosen"] and f"chose {auto['chosen']}" in driver.find_element(By.ID, "auto").text
         driver.switch_to.default_content()
         driver.save_screenshot(str(tmp_path / "autopatch-dashboard.png"))
         assert (tmp_path / "autopatch-dashboard.png").stat().st_size > 10_000
