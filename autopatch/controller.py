@@ -195,7 +195,7 @@ class OptimizerController:
         (the user named the mode) instead of stepping the rest unfused and saying so."""
         if self.strategy is not None:
             self.strategy.deactivate()
-            self.runtime.forward_fusions.discard(self)
+            self.runtime.disable_forward_fusion(self)
         self.strategy = None if mode == "off" else self._new_strategy(opt, mode, strict)
         if mode == "forward":
             self.runtime.enable_forward_fusion(self)
@@ -459,7 +459,7 @@ class OptimizerController:
             self.final_fusion = self.strategy.describe()
         # The report outlives disable(): keep its figures, not the optimizer and its buffers.
         self.strategy = None
-        self.runtime.forward_fusions.discard(self)
+        self.runtime.disable_forward_fusion(self)
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -23,7 +23,8 @@ class Runtime:
         self.switch_listeners = []  # called with the controller after each change of its mode
         self.auto_listeners = []   # called with the controller and mode auto's figures, per choice
         self.forward_fusions = set()   # controllers in mode forward, with updates to apply
-        self._forward_hooks = False
+        self._forward_wrapped = False
+        self._forward_hook = None      # the module pre-hook, only while some optimizer needs it
         self._optimizers_patched = False
         self._by_id = {}
         self.active = False
@@ -108,15 +109,24 @@ class Runtime:
 
     def enable_forward_fusion(self, ctrl):
         """Mode forward needs to see every module's forward and every way weights are observed."""
-        self.forward_fusions.add(ctrl)
-        if self._forward_hooks:
-            return
         import torch
-        self.ledger.hold(torch.nn.modules.module.register_module_forward_pre_hook(self._before_module))
+        self.forward_fusions.add(ctrl)
+        if self._forward_hook is None:
+            self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_module)
+        if self._forward_wrapped:
+            return
         for owner, name in ((torch.nn.Module, "state_dict"), (torch.nn.Module, "load_state_dict"),
                             (torch, "save"), (torch.serialization, "save")):
             self.ledger.wrap(owner, name, self._flush_first)
-        self._forward_hooks = True
+        self._forward_wrapped = True
+
+    def disable_forward_fusion(self, ctrl):
+        """An optimizer left mode forward: with none left, no module call pays for the hook
+        (mode auto tries forward for a few steps while it measures)."""
+        self.forward_fusions.discard(ctrl)
+        if not self.forward_fusions and self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
 
     def _before_module(self, module, args):
         for ctrl in self.forward_fusions:
@@ -140,4 +150,7 @@ class Runtime:
             self.comm.remove()
         for ctrl in self.controllers:
             ctrl.release()
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         self.ledger.uninstall()

@@ -300,6 +300,25 @@ def test_switching_modes_every_few_steps():
     assert_state_equal(opt_ref.state_dict(), opt.state_dict())
 
 
+def test_leaving_forward_removes_its_module_hook():
+    """Mode auto tries forward for a few steps: once no optimizer runs it, no module call of the
+    rest of the run may pay for its global pre-hook."""
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    before = len(hooks)
+    model = mlp()
+    autopatch.enable(mode="multi_layer", chunk_bytes=2048)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ctrl = autopatch._runtime.controllers[-1]
+        for mode in ("forward", "multi_layer", "forward", "off"):
+            assert ctrl.set_mode(mode) == mode
+            plain(model, opt, batches(2), torch.optim.lr_scheduler.StepLR(opt, 3))
+            assert len(hooks) == before + (mode == "forward")
+    finally:
+        autopatch.disable()
+    assert len(hooks) == before
+
+
 def reference(data, loop=plain, model=None):
     model = model or mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
