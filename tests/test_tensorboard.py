@@ -155,6 +155,20 @@ def test_empty_and_partial_log_dirs_get_a_clear_message(tmp_path):
     assert "Search in progress: 1 trial(s)" in body["message"] and "half-written" in body["message"]
 
 
+def test_a_failed_trial_is_listed_as_failed_and_never_best(tmp_path):
+    from tensorboard.plugins.base_plugin import TBContext
+    from werkzeug.test import Client
+    from autopatch_tensorboard.plugin import AutopatchPlugin
+    trials = [{"kind": "trial", "trial": 0, "config": {"mode": "off"}, "score": 10.0, "train_iter": 20},
+              {"kind": "trial", "trial": 1, "config": {"mode": "backward"}, "score": None, "train_iter": 31,
+               "failed": "backward became unsafe: a parameter received a second gradient"}]
+    (tmp_path / "autopatch.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trials))
+    app = AutopatchPlugin(TBContext(logdir=str(tmp_path))).get_plugin_apps()["/run"]
+    body = json.loads(Client(app).get("/run?run=.").get_data())
+    assert body["best_trial"] == 0
+    assert body["trials"][1]["score"] is None and "became unsafe" in body["trials"][1]["failed"]
+
+
 def chromium():
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if shutil.which(name):
