@@ -367,18 +367,18 @@ def test_auto_measures_each_mode_the_watch_allows_and_reports_the_figures():
 
 
 def test_auto_keeps_off_when_fusion_is_clearly_slower():
-    """1 KiB chunks cut every 64 x 64 weight into 16 chunks: hundreds of tiny updates a step
-    (several times slower than unpatched in every fused mode), so auto must keep off."""
-    data = batches(60, width=64)
-    ref = reference(data, model=mlp(width=64, depth=8))
-    got, entry, _ = patched(data, model=mlp(width=64, depth=8), mode="auto", chunk_bytes=1024,
-                            fusion={"observe_steps": 2, "measure_steps": 48})
+    """1 KiB chunks cut every 128 x 128 weight into 64 chunks: about 600 tiny updates a step
+    instead of one pass over 18 tensors, an order of magnitude slower than unpatched, so auto
+    must keep off."""
+    data = batches(60, width=128)
+    ref = reference(data, model=mlp(width=128, depth=8))
+    got, entry, _ = patched(data, model=mlp(width=128, depth=8), mode="auto", chunk_bytes=1024,
+                            fusion={"observe_steps": 2, "measure_steps": 48, "auto_candidates": ["multi_layer"]})
     assert_all_same(ref, got)
     auto = entry["auto"]
     assert entry["mode"] == auto["chosen"] == "off", entry["reason"]
     assert "no mode was faster than unpatched" in entry["reason"]
-    assert set(auto["ms_per_step"]) == {"off", "multi_layer", "backward", "forward"}
-    assert all(auto["ratio_vs_off"][m] > 1 for m in ("multi_layer", "backward", "forward"))
+    assert set(auto["ms_per_step"]) == {"off", "multi_layer"} and auto["rounds"] == 4
 
 
 def until_mode(mode, model, opt, data, sched, then):
