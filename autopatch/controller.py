@@ -139,10 +139,6 @@ class OptimizerController:
             return "the first steps were not watched"
         return self.check(opt, mode)
 
-    def allows(self, mode):
-        opt = self.ref()
-        return opt is not None and self.why_not(opt, mode) is None
-
     def _autotune_modes(self):
         """The modes autotune may switch this optimizer to, when it tunes the mode."""
         tune = self.policy.autotune
