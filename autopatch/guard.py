@@ -96,7 +96,7 @@ def fall_back(ctrl, opt, where, error):
     if ctrl.observation is not None:
         ctrl.observation.close()
         ctrl.observation = None
-    ctrl.runtime.forward_fusions.discard(ctrl)
+    ctrl.runtime.disable_forward_fusion(ctrl)
     fusion = {}
     if strategy is not None:
         try:

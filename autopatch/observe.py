@@ -28,12 +28,13 @@ CLOSURE = "closure-based step()"
 GRAD_READ = "gradients used between backward and step() (clipping, GradScaler, logging)"
 PARAM_READ_AFTER_BACKWARD = "parameters used between backward and step()"
 PARAM_READ_EARLY = "a parameter is used after step() before its own module runs"
+COMPILED = "modules run inside torch.compile (a deferred update cannot be applied inside compiled code)"
 GRAD_USED_AFTER_STEP = "gradients used after step() (backward fusion frees them inside backward)"
 GRAD_WRITE_AFTER_STEP = "gradients changed in place after step() (a deferred update still needs them)"
 
 BACKWARD_BLOCKERS = (ACCUMULATION, DOUBLE_BACKWARD, SPARSE, CLOSURE, GRAD_READ, PARAM_READ_AFTER_BACKWARD,
                      GRAD_USED_AFTER_STEP)
-FORWARD_BLOCKERS = (CLOSURE, SPARSE, PARAM_READ_EARLY, GRAD_WRITE_AFTER_STEP)
+FORWARD_BLOCKERS = (CLOSURE, SPARSE, PARAM_READ_EARLY, GRAD_WRITE_AFTER_STEP, COMPILED)
 
 
 class _Watch(TorchFunctionMode):
@@ -97,6 +98,8 @@ class Observation:
         self.grad_ids = {id(p.grad) for p in self.params if p.grad is not None}
 
     def _on_module(self, module, args):
+        if torch.compiler.is_compiling():     # dynamo traces this hook while it compiles the model
+            self._note(COMPILED)
         self.entered.update(id(p) for p in module._parameters.values() if p is not None)
 
     def saw(self, args, kwargs, name):

@@ -53,8 +53,9 @@ class Fusion:
     probe: bool = True
     force: tuple = ()                  # class globs fused without the probe
     forbid: tuple = ()                 # class globs never fused
-    observe_steps: int = 3             # mode auto: steps watched before choosing
-    auto_order: object = "auto"        # modes auto tries, fastest first; "auto": by device
+    observe_steps: int = 3             # steps watched before backward/forward may run
+    auto_candidates: object = "auto"   # fused modes auto measures against off; "auto": all
+    measure_steps: int = 200           # mode auto: the most steps one measurement takes
 
 
 @dataclass(frozen=True)
@@ -190,15 +191,16 @@ def _auto_bool(v):
     return _typed(bool)(v)
 
 
-def _auto_order(v):
+def _auto_candidates(v):
+    """``auto`` or a list of modes; ``off`` is always measured, listed or not."""
     if v == "auto":
         return v
-    v = _globs(v)
-    for mode in v:
-        _choice(("multi_layer", "backward", "forward"))(mode)
-    if "multi_layer" not in v:
-        raise ValueError("must include multi_layer, the mode that is always safe")
-    return v
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not v:
+        raise TypeError("expected auto or a non-empty list of modes")
+    modes = _choice(("off", "multi_layer", "backward", "forward"))
+    return tuple(dict.fromkeys(modes("off" if m is False else m) for m in v))   # YAML 1.1: off is false
 
 
 def _knobs(v):
@@ -244,7 +246,8 @@ _CHECKS = {
     "optimizers.include": _globs, "optimizers.exclude": _globs,
     "fusion.mode": _mode, "fusion.chunk_bytes": _chunk, "fusion.compile": _typed(bool),
     "fusion.probe": _typed(bool), "fusion.force": _globs, "fusion.forbid": _globs,
-    "fusion.observe_steps": _typed(int, 1, 1000), "fusion.auto_order": _auto_order,
+    "fusion.observe_steps": _typed(int, 1, 1000), "fusion.auto_candidates": _auto_candidates,
+    "fusion.auto_order": _auto_candidates, "fusion.measure_steps": _typed(int, 16, 1_000_000),
     "allreduce.enabled": _auto_bool, "allreduce.bucket_bytes": _size,
     "allreduce.compression": _choice(COMPRESSIONS), "allreduce.hierarchical": _typed(bool),
     "allreduce.bucket_size_2p": lambda v: 2 ** _typed(int, 10, 31)(v),
@@ -291,7 +294,9 @@ def _lines(text):
     return out
 
 
-_SPELLINGS = {"allreduce.bucket_size_2p": "allreduce.bucket_bytes"}   # Bagua's knob -> what it sets
+# Another spelling -> the key it sets: Bagua's knob, and auto_order from when auto took a fixed order.
+_SPELLINGS = {"allreduce.bucket_size_2p": "allreduce.bucket_bytes",
+              "fusion.auto_order": "fusion.auto_candidates"}
 
 
 def _apply(values, updates, where, lines):

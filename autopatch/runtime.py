@@ -20,8 +20,10 @@ class Runtime:
         self.ledger = Ledger()
         self.controllers = []
         self.step_listeners = []   # called with the controller after every optimizer step
+        self.switch_listeners = []  # called with the controller after each change of its mode
+        self.auto_listeners = []   # called with the controller and mode auto's figures, per choice
         self.forward_fusions = set()   # controllers in mode forward, with updates to apply
-        self._forward_hooks = False
+        self._forward_patches = None   # forward fusion's hook and read patches, while some optimizer needs them
         self._optimizers_patched = False
         self._by_id = {}
         self.active = False
@@ -110,16 +112,25 @@ class Runtime:
         self.controllers.append(ctrl)
 
     def enable_forward_fusion(self, ctrl):
-        """Mode forward needs to see every module's forward and every way weights are read; the
-        patches stay until disable(), idle while no optimizer is in mode forward."""
+        """Mode forward needs to see every module's forward and every way weights are read."""
         self.forward_fusions.add(ctrl)
-        if self._forward_hooks:
+        if self._forward_patches is not None:
             return
         import torch
         from .forward_reads import ForwardReads
-        self.ledger.hold(torch.nn.modules.module.register_module_forward_pre_hook(self._before_module))
-        ForwardReads(self.forward_fusions, self.flush).install(self.ledger)
-        self._forward_hooks = True
+        patches = Ledger()
+        patches.hold(torch.nn.modules.module.register_module_forward_pre_hook(self._before_module))
+        ForwardReads(self.forward_fusions, self.flush).install(patches)
+        self._forward_patches = patches
+
+    def disable_forward_fusion(self, ctrl):
+        """An optimizer left mode forward: with none left, the hook and the read patches go, so
+        no module call or attribute read pays for them (mode auto tries forward for a few steps
+        while it measures)."""
+        self.forward_fusions.discard(ctrl)
+        if not self.forward_fusions and self._forward_patches is not None:
+            self._forward_patches.uninstall()
+            self._forward_patches = None
 
     def _before_module(self, module, args):
         for ctrl in self.forward_fusions:
@@ -138,4 +149,7 @@ class Runtime:
             self.comm.remove()
         for ctrl in self.controllers:
             ctrl.release()
+        if self._forward_patches is not None:
+            self._forward_patches.uninstall()
+            self._forward_patches = None
         self.ledger.uninstall()

@@ -4,8 +4,9 @@
   communication-wait times (ms per iteration), throughput, and the current autotune trial;
 - one HParams session per autotune trial (its own ``trial-NNN`` run: the knobs as hparams, the
   score as metric), through ``tensorboard.plugins.hparams.summary_v2``, which needs no TensorFlow;
-- ``autopatch.jsonl``: the same facts as plain records (window, space, trial, frozen), which the
-  autopatch dashboard plugin reads without parsing event files.
+- ``autopatch.jsonl``: the same facts as plain records (window, space, trial, frozen, and ``auto``:
+  what mode auto measured and chose), which the autopatch dashboard plugin reads without parsing
+  event files.
 """
 
 import atexit
@@ -35,7 +36,11 @@ class Board:
         self._jsonl = None
         self._closed = False
         self._lock = threading.Lock()
+        self._mode = None          # the mode the clock optimizer ran in this window
+        self._switched = False     # its mode changed: close the window after this iteration
         timer.listeners.append(self._tick)
+        timer.runtime.switch_listeners.append(self._on_switch)
+        timer.runtime.auto_listeners.append(self.auto_measured)
         atexit.register(self.close)
 
     def _writing(self):
@@ -63,12 +68,16 @@ class Board:
             self._jsonl.flush()
 
     def _tick(self, timer):
-        if self._acc.window.seconds >= SCALAR_PERIOD:
+        if self._mode is None:
+            self._mode = getattr(timer.clock, "step_mode", None)
+        if self._switched or self._acc.window.seconds >= SCALAR_PERIOD:
+            self._switched = False
             self.flush_window()
 
     def flush_window(self):
         """Write the scalars of the iterations since the last call (also called at each switch)."""
         w = self._acc.take()
+        mode, self._mode = self._mode, None
         if not w.steps or not self._writing():
             return
         writer, it = self._events(), self.timer.iteration
@@ -79,9 +88,17 @@ class Board:
         writer.add_scalar("autopatch/throughput", rate, it)
         if self.trial is not None:
             writer.add_scalar("autopatch/trial", self.trial, it)
-        clock = self.timer.clock
         self.record({"kind": "window", "iteration": it, "steps": w.steps, "trial": self.trial,
-                     "mode": getattr(clock, "mode", None), "breakdown_ms": parts, "throughput": rate})
+                     "mode": mode, "breakdown_ms": parts, "throughput": rate})
+
+    def _on_switch(self, ctrl):
+        if ctrl is self.timer.clock:
+            self._switched = True   # no window mixes two modes
+
+    def auto_measured(self, ctrl, figures):
+        """What mode auto measured for one optimizer, and what it chose."""
+        self.record({"kind": "auto", "optimizer": ctrl.qualname, "iteration": self.timer.iteration,
+                     "step": ctrl.steps, **figures})
 
     def space(self, knobs, unit):
         """The search space as the HParams experiment; ``knobs``: name -> choices or (lo, hi)."""
@@ -104,7 +121,8 @@ class Board:
         hparams = {k: (float(v) if k.endswith("_2p") else v) for k, v in rec["config"].items()}
         with SummaryWriter(os.path.join(self.logdir, name)) as w:
             w.file_writer.add_summary(hp.hparams_pb(hparams, trial_id=name, start_time_secs=rec["started"]))
-            w.add_scalar(SCORE_TAG, rec["score"], rec["train_iter"])
+            if rec["score"] is not None:      # a failed trial has none
+                w.add_scalar(SCORE_TAG, rec["score"], rec["train_iter"])
         self.record({"kind": "trial", **rec})
         self._writer.flush()
 
@@ -122,3 +140,7 @@ class Board:
         self._closed = True
         if self._tick in self.timer.listeners:
             self.timer.listeners.remove(self._tick)
+        for listeners, fn in ((self.timer.runtime.switch_listeners, self._on_switch),
+                              (self.timer.runtime.auto_listeners, self.auto_measured)):
+            if fn in listeners:
+                listeners.remove(fn)

@@ -48,6 +48,16 @@ def summary(report):
         ms = 1e3 * o["step_seconds"] / o["steps"] if o["steps"] else 0.0
         lines.append(f"  {o['class']}: {o['mode']} over {o['params']} params, {o['steps']} steps, "
                      f"{ms:.3f} ms/step - {o['reason']}")
+        auto = o.get("auto")
+        if auto and auto.get("ms_per_step"):
+            times = ", ".join(f"{m} {t:.3f}" for m, t in auto["ms_per_step"].items())
+            lines.append(f"    auto measured whole training steps ({times} ms/step; chose {auto['chosen']}, "
+                         f"{auto['speedup_vs_off']:.2f}x unpatched), spending {auto['measure_steps']} steps "
+                         f"({auto['measure_seconds']:.2f} s) measuring over {len(auto['measurements'])} "
+                         f"measurement(s) of at most {auto['measure_steps_limit']} steps")
+        for i in o.get("incidents", []):
+            lines.append(f"    step {i['step']}: left {i['left']} for {i['for']}: {i['what']}"
+                         + (" (that step's update differs from unpatched)" if i["update_differs"] else ""))
     return "\n".join(lines)
 
 

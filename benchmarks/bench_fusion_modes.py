@@ -2,7 +2,10 @@
 
 Each contender trains in a process of its own, forked before any tensor work: global hooks of one
 mode (forward fusion's module pre-hook, mode auto's watch) can never slow another contender, and
-each process's peak memory is its own. The processes take turns: in every round each runs
+each process's peak memory is its own. Mode auto warms up first, alone, so it measures its
+candidates on a machine the other contenders leave alone; it warms up until it has chosen (its
+figures, from ``autopatch.report()``, are printed), and the others then warm up as many steps, so
+every contender trains the same steps. The processes then take turns: in every round each runs
 ``--steps`` training steps while the others wait, the starting one rotating; medians over all
 rounds are quoted, and ratios are the median of per-round ratios against unpatched, so both sides
 of a ratio were measured minutes apart at most.
@@ -27,7 +30,7 @@ Every autopatch contender must end with the same model and optimizer state as un
 ``torch.equal`` on every tensor, or the run stops; the mode each one actually ran comes from
 ``autopatch.report()``.
 
-    python benchmarks/bench_fusion_modes.py            # full run, 2 to 6 minutes
+    python benchmarks/bench_fusion_modes.py            # full run, 5 to 10 minutes
     python benchmarks/bench_fusion_modes.py --quick    # smoke run, under a minute
 """
 
@@ -223,6 +226,20 @@ def train_steps(model, opt, batch, loss_fn, n, timed, clock=time.perf_counter):
         timed.append((t2 - t1, t3 - t2, (t1 - t0) + (t4 - t3)))
 
 
+def warm_up_until_chosen(model, opt, batch, loss_fn, at_least, after=3):
+    """Mode auto watches, then measures its candidates: ``at_least`` steps and until it has chosen
+    (the report says so), then a few more in the chosen mode, so the timed rounds see only that
+    mode. Returns the steps taken beyond ``at_least``."""
+    train_steps(model, opt, batch, loss_fn, at_least, [])
+    for n in range(100_000):
+        auto = autopatch.report()["optimizers"][0].get("auto")
+        if auto and "chosen" in auto and not auto["measuring"]:
+            train_steps(model, opt, batch, loss_fn, after, [])
+            return n + after
+        train_steps(model, opt, batch, loss_fn, 1, [])
+    raise RuntimeError("mode auto did not choose within 100000 steps")
+
+
 def worker(conn, workload, contender, opts):
     """Build, warm up, then run rounds on request; at the end report the peak memory and (when
     given a path) save the final state for the check."""
@@ -236,12 +253,19 @@ def worker(conn, workload, contender, opts):
         model, batch, loss_fn = build()
         patched = contender in AUTOPATCH_MODES
         if patched:
-            autopatch.enable(mode=contender, chunk_bytes=opts["chunk_bytes"],
-                             fusion={"observe_steps": opts["observe_steps"]})
+            fusion = {"observe_steps": opts["observe_steps"]}
+            if opts["measure_steps"]:
+                fusion["measure_steps"] = opts["measure_steps"]
+            autopatch.enable(mode=contender, chunk_bytes=opts["chunk_bytes"], fusion=fusion)
         opt = make_optimizer(opt_name, model.parameters(), contender)
-        train_steps(model, opt, batch, loss_fn, opts["warmup"], [])
+        _, steps = conn.recv()    # warm up when told: ``steps``, or (auto, alone on the machine)
+        if steps is None:         # the policy's warm-up and until it has chosen
+            steps = opts["warmup"] + warm_up_until_chosen(model, opt, batch, loss_fn, opts["warmup"])
+        else:
+            train_steps(model, opt, batch, loss_fn, steps, [])
         params = list(model.parameters())
-        info = {"tensors": len(params), "grad_bytes": sum(p.numel() * p.element_size() for p in params)}
+        info = {"tensors": len(params), "grad_bytes": sum(p.numel() * p.element_size() for p in params),
+                "warmup_steps": steps}
         info["reset_ok"] = reset_peak_memory()
         conn.send(info)
         while True:
@@ -254,7 +278,7 @@ def worker(conn, workload, contender, opts):
             out = {"peak_bytes": peak_memory_bytes(info["reset_ok"])}
             if patched:
                 rep = autopatch.report()["optimizers"][0]
-                out.update(mode=rep["mode"], reason=rep["reason"])
+                out.update(mode=rep["mode"], reason=rep["reason"], auto=rep.get("auto"))
             if arg:
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, arg)
             if patched:
@@ -291,14 +315,20 @@ def run_workload(ctx, key, args, tmp, memory=False):
     up just past the watch, then a few steps each; only their peaks are used.
     """
     opts = dict(threads=args.threads, observe_steps=args.observe_steps, chunk_bytes=args.chunk_bytes,
-                clock=args.clock,
+                clock=args.clock, measure_steps=args.measure_steps,
                 warmup=args.observe_steps + 2 if memory else args.warmup,   # decided at step 1, watched, then fused
                 mmap_threshold=MEMORY_MMAP_THRESHOLD if memory else None)
     rounds, steps = (1, args.memory_steps) if memory else (args.rounds, args.steps)
     names = [c for c in CONTENDERS if available(key, c) is None]
     procs = [Contender(ctx, key, c, opts, None if memory else os.path.join(tmp, f"{key}-{c}.pt"))
              for c in names]
-    for p in procs:
+    auto = next(p for p in procs if p.name == "auto")
+    auto.conn.send(("warmup", None))     # alone: it measures; then it says how many steps
+    auto.info = auto.receive()
+    others = [p for p in procs if p is not auto]
+    for p in others:
+        p.conn.send(("warmup", auto.info["warmup_steps"]))
+    for p in others:
         p.info = p.receive()
     for i in range(rounds):
         for p in procs[i % len(procs):] + procs[:i % len(procs)]:
@@ -339,7 +369,15 @@ def summarise(key, procs, memory_procs):
             "peak_delta_mb": peak[p.name] - peak["unpatched"] if peak else None,
             "peak_delta_default_mb": (p.info["peak_bytes"] - ref.info["peak_bytes"]) / 2**20,
             "equal": equal, "max_diff": worst, "mode": p.info.get("mode"), "reason": p.info.get("reason"),
+            "auto": p.info.get("auto"),
         }
+    auto = rows["auto"]["auto"]
+    # The fastest contender among the modes auto's watch allowed (off is unpatched here).
+    allowed = [m for m in auto["candidates"] if m not in auto["ruled_out"]]
+    fastest = min(allowed, key=lambda m: rows["unpatched" if m == "off" else m]["ratio"])
+    name = "unpatched" if fastest == "off" else fastest
+    rows["auto"].update(fastest=fastest,
+                        vs_fastest=statistics.median(round_ratios(by["auto"].rounds, by[name].rounds)))
     return ref.info, rows
 
 
@@ -384,11 +422,23 @@ def memory_saving(info, by_name):
     return saved, saved * 2**20 / info["grad_bytes"]
 
 
+AUTO_LIMIT = 1.02          # auto never slower than unpatched, beyond this
+AUTO_VS_FASTEST = 1.03     # and within this of the fastest mode its watch allows
+
+
 def targets(results):
     lines = []
 
     def line(text, ok, detail):
         lines.append(f"- {text}: {'n/a' if ok is None else 'MET' if ok else 'NOT MET'} ({detail})")
+
+    for key, (_, by_name) in results.items():
+        r = by_name["auto"]
+        line(f"auto <= {AUTO_LIMIT}x unpatched on {key}", r["ratio"] <= AUTO_LIMIT,
+             f"{r['ratio']:.2f}x, auto ran {r['mode']}")
+        line(f"auto within {AUTO_VS_FASTEST - 1:.0%} of the fastest mode its watch allows on {key}",
+             r["vs_fastest"] <= AUTO_VS_FASTEST,
+             f"{r['vs_fastest']:.3f}x the fastest, {r['fastest']}; auto ran {r['mode']}")
 
     for key, limit in TIME_TARGETS.items():
         text = f"auto <= {limit}x unpatched step time on {key} ({WORKLOADS[key][2]})"
@@ -480,6 +530,8 @@ def main():
     ap.add_argument("--steps", type=int, help="steps per contender per round (default 3, quick 1)")
     ap.add_argument("--memory-steps", type=int, default=3, help="steps measured in the memory phase")
     ap.add_argument("--observe-steps", type=int, default=3, help="fusion.observe_steps (default 3)")
+    ap.add_argument("--measure-steps", type=int,
+                    help="fusion.measure_steps for mode auto (default: the policy's, quick 32)")
     ap.add_argument("--warmup", type=int, help="untimed steps first (default observe steps + 3, quick + 1)")
     ap.add_argument("--chunk-bytes", default="auto", type=lambda v: v if v == "auto" else int(v),
                     help="fusion.chunk_bytes for the autopatch contenders (default auto)")
@@ -496,6 +548,8 @@ def main():
     args.steps = args.steps or (1 if args.quick else 3)
     if args.warmup is None:
         args.warmup = args.observe_steps + (1 if args.quick else 3)
+    if args.measure_steps is None and args.quick:
+        args.measure_steps = 32
     keys = [k for k in args.workloads.split(",") if k]
     unknown = set(keys) - set(WORKLOADS)
     if unknown:
@@ -510,7 +564,8 @@ def main():
         ap.error("--clock cpu measures the calling thread only: use it with --threads 1")
     print(f"# {args.threads} torch thread(s) per contender, {args.clock} clock, "
           f"rounds {args.rounds} x steps {args.steps}, "
-          f"{args.warmup} warm-up steps (observe_steps {args.observe_steps})\n", flush=True)
+          f"{args.warmup} warm-up steps (observe_steps {args.observe_steps}; auto: until it has "
+          f"measured, measure_steps {args.measure_steps or 'default'})\n", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         procs = {}
         for key in keys:
@@ -526,6 +581,14 @@ def main():
     for key, (_, by_name) in results.items():
         for name in AUTOPATCH_MODES:
             print(f"- {key} / {name}: {by_name[name]['mode']}: {by_name[name]['reason']}")
+    print("\nWhat mode auto measured during its warm-up (the report's auto section):")
+    for key, (_, by_name) in results.items():
+        a = by_name["auto"]["auto"]
+        times = ", ".join(f"{m} {t:.2f}" for m, t in a["ms_per_step"].items()) if "ms_per_step" in a else a["why"]
+        print(f"- {key}: {times} ms/step -> chose {a['chosen']} ({a.get('speedup_vs_off', 1.0):.2f}x "
+              f"unpatched), {a['measure_steps']} steps / {a['measure_seconds']:.2f} s spent measuring "
+              f"({a.get('rounds')} rounds of {a.get('window_steps')} steps)"
+              + "".join(f"; not {m}: {why}" for m, why in a["ruled_out"].items()))
     print("\nTargets:")
     print(targets(results))
     if args.plot:

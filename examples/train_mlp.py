@@ -21,7 +21,7 @@ def build_model(width, depth):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--depth", type=int, default=48)
     ap.add_argument("--batch", type=int, default=32)

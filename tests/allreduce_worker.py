@@ -164,6 +164,10 @@ def equivalence():
                                  steps=6, **unused)
     res["backward_left_to_ddp"] = job({"mode": "backward", "allreduce": {"enabled": False}},
                                       optimizer="adam", steps=6)
+    # Mode auto: watched 2 steps, then 16 steps measuring 4 modes, then the choice for 5 steps.
+    res["auto"] = job({"mode": "auto", "allreduce": {"enabled": True},
+                       "fusion": {"observe_steps": 2, "measure_steps": 16}}, optimizer="adam", steps=24)
+    res["ddp_adam_24"] = job(optimizer="adam", steps=24)
 
     for nodes, group_rank, local in (("2x1", RANK, 1), ("1x2", 0, 2)):   # as torchrun would set them
         os.environ.update(GROUP_RANK=str(group_rank), LOCAL_WORLD_SIZE=str(local))

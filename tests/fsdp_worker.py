@@ -129,7 +129,7 @@ def checkpoint_round_trip(save_patched, name):
     """Train 3 steps, save with DCP, then train 2 more steps in a fresh job that loads it; the
     saving side patched or not as asked, the loading side the other way."""
     path = os.path.join(SHARED, name)
-    autopatch.enable() if save_patched else None
+    autopatch.enable(mode="multi_layer") if save_patched else None
     try:
         net = fsdp_toy()
         opt = OPTIMIZERS["adamw"](net.parameters())
@@ -139,7 +139,7 @@ def checkpoint_round_trip(save_patched, name):
     finally:
         autopatch.disable()
     dist.barrier()
-    autopatch.enable() if not save_patched else None
+    autopatch.enable(mode="multi_layer") if not save_patched else None
     try:
         net = fsdp_toy()
         opt = OPTIMIZERS["adamw"](net.parameters())
@@ -158,7 +158,7 @@ def optimizer_state_dict_round_trip():
     """get_optimizer_state_dict of a patched run, set into an unpatched one, and the other way."""
     out = {}
     for source_patched in (True, False):
-        autopatch.enable() if source_patched else None
+        autopatch.enable(mode="multi_layer") if source_patched else None
         try:
             net = fsdp_toy()
             opt = OPTIMIZERS["adamw"](net.parameters())
@@ -167,7 +167,7 @@ def optimizer_state_dict_round_trip():
             weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
         finally:
             autopatch.disable()
-        autopatch.enable() if not source_patched else None
+        autopatch.enable(mode="multi_layer") if not source_patched else None
         try:
             net = fsdp_toy()
             net.load_state_dict(weights)
@@ -184,18 +184,18 @@ def optimizer_state_dict_round_trip():
 def fsdp():
     res = {"ref": job(), "default": job({}), "multi_layer": job({"mode": "multi_layer"}),
            "backward": job({"mode": "backward", "fusion": {"observe_steps": 2}}),
-           "auto_accelerator_order": job({"mode": "auto", "fusion": {
-               "observe_steps": 2, "auto_order": ["backward", "forward", "multi_layer"]}})}
+           "ref_22": job(steps=22),
+           "auto": job({"mode": "auto", "fusion": {"observe_steps": 2, "measure_steps": 16}}, steps=22)}
     for name in ("bert", "sgd"):
         res[f"ref_{name}"] = job(optimizer=name)
-        res[name] = job({}, optimizer=name)
+        res[name] = job({"mode": "multi_layer"}, optimizer=name)
     res["ckpt_patched_to_unpatched"] = checkpoint_round_trip(True, "ckpt_patched")
     res["ckpt_unpatched_to_patched"] = checkpoint_round_trip(False, "ckpt_unpatched")
     res.update(optimizer_state_dict_round_trip())
     for orig in (False, True):
         fsdp1 = lambda: fsdp1_toy(orig)
         res[f"ref_fsdp1_{orig}"] = job(model=fsdp1, dcp_view=False)
-        res[f"fsdp1_{orig}"] = job({}, model=fsdp1, dcp_view=False)
+        res[f"fsdp1_{orig}"] = job({"mode": "multi_layer"}, model=fsdp1, dcp_view=False)
     return res
 
 
@@ -203,7 +203,7 @@ def partial_param_group(patched):
     """A second param group holding a Partial DTensor (each rank holds an addend of the value):
     it must step as unpatched, on its DTensor, while the first group steps as local shards.
     SGD, as AdamW's in-place division has no sharding rule for a Partial tensor."""
-    autopatch.enable() if patched else None
+    autopatch.enable(mode="multi_layer") if patched else None
     try:
         net = tp_toy()
         mesh = next(p for p in net.parameters() if isinstance(p, DTensor)).device_mesh
@@ -228,8 +228,8 @@ def partial_param_group(patched):
 
 
 def tp():
-    return {"ref": job(model=tp_toy), "default": job({}, model=tp_toy),
-            "ref_bert": job(optimizer="bert", model=tp_toy), "bert": job({}, optimizer="bert", model=tp_toy),
+    return {"ref": job(model=tp_toy), "adamw": job({"mode": "multi_layer"}, model=tp_toy),
+            "ref_bert": job(optimizer="bert", model=tp_toy), "bert": job({"mode": "multi_layer"}, optimizer="bert", model=tp_toy),
             "ref_partial": partial_param_group(False), "partial": partial_param_group(True)}
 
 

@@ -182,6 +182,22 @@ def test_with_backward_fusion(equivalence, scenario, reference):
                    f"{scenario} weights, rank 0 vs rank 1")
 
 
+def test_mode_auto_measures_in_step_and_rank_0_decides(equivalence):
+    """Every rank measures the same modes on the same schedule and takes rank 0's choice at the
+    same step: the ranks' figures are rank 0's, and the weights equal DDP's."""
+    reports = []
+    for rank in (0, 1):
+        run = equivalence[rank]["auto"]
+        assert_same_run(run, equivalence[rank]["ddp_adam_24"])
+        (opt,) = run["report"]["optimizers"]
+        auto = opt["auto"]
+        assert auto["candidates"] == ["off", "multi_layer", "backward", "forward"] and not auto["ruled_out"]
+        assert opt["mode"] == auto["chosen"] and not auto["measuring"]
+        reports.append(auto)
+    for key in ("chosen", "ms_per_step", "ratio_vs_off", "rounds", "measurements"):
+        assert reports[0][key] == reports[1][key], key
+
+
 def test_backward_fusion_is_refused_where_ddp_averages(equivalence):
     """DDP's own reducer writes averaged grads only at the end of backward: an update inside
     backward would use the local gradient, so a policy asking for it gets multi_layer."""

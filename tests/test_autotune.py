@@ -3,6 +3,7 @@
 import csv
 import json
 import re
+import shutil
 import socket
 from pathlib import Path
 
@@ -206,3 +207,76 @@ def test_distributed_ranks_apply_identical_configs_at_identical_steps(tmp_path):
     assert r0["applied"] == r1["applied"] and len(r0["applied"]) == r0["trials"] + 1
     assert {tuple(config) for _, config in r0["applied"]} == {("mode", "chunk_size_2p", "bucket_size_2p")}
     assert r0["digest"] == r1["digest"] == r0["unpatched"] == r1["unpatched"]
+
+
+def accumulate(model, opt, batch, parts=2):
+    """One step over ``parts`` micro-batches, gradients accumulated before step()."""
+    x, y = batch
+    opt.zero_grad()
+    for xs, ys in zip(x.chunk(parts), y.chunk(parts)):
+        (torch.nn.functional.cross_entropy(model(xs), ys) / parts).backward()
+    opt.step()
+
+
+def test_accumulation_starting_mid_trial_fails_that_trial_not_the_run(ap, tmp_path, capsys):
+    """The search's second trial runs backward; gradient accumulation starts under it. Nothing
+    reaches the loop: the trial is logged as failed and the search goes on without backward."""
+    # Two configs: the starting one (mode off once the watch is over) and backward.
+    ap.enable("autotune", autotune={**FAST, "bounds": {"mode": ["off", "backward"], "chunk_size_2p": [12, 12]},
+                                    "log_csv": str(tmp_path / "trials.csv")})
+    torch.manual_seed(0)
+    model = mlp(width=32, depth=8)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = batches(3000, width=32, batch=16)
+    accumulating, frozen_at = None, None
+    for i, batch in enumerate(data):
+        if accumulating is None and i > 0 and ap.report()["optimizers"][0]["mode"] == "backward":
+            accumulating = i
+        if accumulating is None:
+            train(model, opt, [batch])
+        else:
+            accumulate(model, opt, batch)
+        if accumulating is not None and frozen_at is None and ap.report()["autotune"]["phase"] == "frozen":
+            frozen_at = i
+        if frozen_at is not None and i == frozen_at + 10:
+            break
+    rep = ap.report()
+    tune, entry = rep["autotune"], rep["optimizers"][0]
+    assert accumulating is not None and frozen_at is not None, tune
+    failed = [t for t in tune["trials"] if "failed" in t]
+    assert [t["config"]["mode"] for t in failed] == ["backward"] and failed[0]["score"] is None
+    assert "backward became unsafe" in failed[0]["failed"] and "second gradient" in failed[0]["failed"]
+    assert tune["best"]["config"]["mode"] == "off" and entry["mode"] == "off"
+    assert "backward" in tune["ruled_out_modes"]
+    [incident] = entry["incidents"]
+    assert incident["left"] == "backward" and incident["chosen_by"] == "autotune" and incident["update_differs"]
+    assert "differs from unpatched" in capsys.readouterr().err
+    rows = list(csv.reader((tmp_path / "trials.csv").open()))
+    assert [r[0] for r in rows[1:] if r[2] == "failed"] == ["backward"]
+
+
+def test_a_failure_inside_the_tuner_stops_the_search_and_keeps_training(ap, tmp_path, capsys):
+    """The trials CSV's directory disappears mid-search: writing the next row fails. The search
+    stops with the best config so far, says why, and training goes on exactly as unpatched."""
+    logs = tmp_path / "logs"
+    ap.enable("autotune", autotune={**FAST, "log_csv": str(logs / "trials.csv")})
+    torch.manual_seed(0)
+    model = mlp(width=32, depth=8)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses, removed_at = [], None
+    for i, batch in enumerate(batches(3000, width=32, batch=16)):
+        losses += train(model, opt, [batch])
+        if removed_at is None and ap.report()["autotune"].get("trials"):
+            shutil.rmtree(logs)
+            removed_at = i
+        if removed_at is not None and ap.report()["autotune"]["phase"] == "frozen":
+            break
+    tune = ap.report()["autotune"]
+    ap.disable()
+    ref_model, ref_losses = job(len(losses))
+    assert tune["phase"] == "frozen" and "FileNotFoundError" in tune["failed"], tune
+    assert tune["applied"][-1][1] == tune["best"]["config"]
+    assert any("autotune stopped" in n for n in tune["notes"])
+    assert "autopatch: autotune stopped after" in capsys.readouterr().err
+    assert_same(losses, ref_losses)
+    assert_same(weights(model), weights(ref_model))

@@ -95,29 +95,43 @@ def local_shards(run):
 
 
 def test_fsdp2_under_the_default_policy_trains_as_unpatched(fsdp):
-    """The job that crashed planning (untyped_storage() of a DTensor) now trains, fused."""
+    """The job that crashed planning (untyped_storage() of a DTensor) now trains as unpatched;
+    mode auto watches, then measures off against multi_layer on the local shards."""
     for rank in (0, 1):
         run = fsdp[rank]["default"]
         assert_same_run(run, fsdp[rank]["ref"], f"rank {rank}")
-        entry = local_shards(run)
+        entry = stepped(run["report"])
+        assert entry["mode"] in ("off", "multi_layer") and "fell back" not in entry["reason"], entry
+
+
+def test_fsdp2_multi_layer_steps_the_local_shards(fsdp):
+    for rank in (0, 1):
+        assert_same_run(fsdp[rank]["multi_layer"], fsdp[rank]["ref"], f"rank {rank}")
+        entry = local_shards(fsdp[rank]["multi_layer"])
         assert entry["fusion"]["fused_params"] == FSDP2_PARAMS and entry["fusion"]["excluded_params"] == {}
         # the first step runs on the DTensors, where the optimizer creates its state as unpatched
         assert entry["fusion"]["fused_steps"] == entry["steps"] - 1 == 4
 
 
-@pytest.mark.parametrize("name", ["multi_layer", "backward", "auto_accelerator_order"])
-def test_fsdp2_modes_equal_unpatched(fsdp, name):
+def test_fsdp2_backward_falls_back_to_multi_layer_on_the_local_shards(fsdp):
     for rank in (0, 1):
-        assert_same_run(fsdp[rank][name], fsdp[rank]["ref"], f"{name}, rank {rank}")
-        local_shards(fsdp[rank][name])
+        assert_same_run(fsdp[rank]["backward"], fsdp[rank]["ref"], f"backward, rank {rank}")
+        local_shards(fsdp[rank]["backward"])
+
+
+def test_fsdp2_auto_measures_and_trains_as_unpatched(fsdp):
+    for rank in (0, 1):
+        run = fsdp[rank]["auto"]
+        assert_same_run(run, fsdp[rank]["ref_22"], f"auto, rank {rank}")
+        entry = stepped(run["report"])
+        assert entry["auto"]["chosen"] in ("off", "multi_layer") and not entry["auto"]["measuring"], entry
 
 
 def test_backward_and_forward_are_refused_with_the_reason(fsdp):
     backward = stepped(fsdp[0]["backward"]["report"])["reason"]
     assert "not backward: DTensor parameters" in backward and "reduce-scatters" in backward
-    auto = stepped(fsdp[0]["auto_accelerator_order"]["report"])["reason"]
-    assert "not backward: DTensor parameters" in auto and "not forward: DTensor parameters" in auto
-    assert auto.startswith("auto chose multi_layer after watching 2 steps")
+    ruled_out = stepped(fsdp[0]["auto"]["report"])["auto"]["ruled_out"]
+    assert ruled_out["backward"].startswith("DTensor parameters") and ruled_out["forward"].startswith("DTensor parameters")
 
 
 def test_weights_identical_on_both_ranks(fsdp):
@@ -177,12 +191,12 @@ def test_fsdp1_parameters_are_never_flattened(fsdp, use_orig_params):
 def test_tensor_parallel_steps_local_shards(tp):
     """Column-wise then row-wise Linears (Shard(0), Shard(1), a Replicate bias) and a plain head."""
     for rank in (0, 1):
-        for name in ("default", "bert"):
-            ref = tp[rank]["ref" if name == "default" else "ref_bert"]
+        for name in ("adamw", "bert"):
+            ref = tp[rank]["ref" if name == "adamw" else "ref_bert"]
             assert_same_run(tp[rank][name], ref, f"{name}, rank {rank}")
             fusion = local_shards(tp[rank][name])["fusion"]
             assert fusion["fused_params"] == 4 and fusion["excluded_params"] == {}
-        assert_tensors_equal(tp[rank]["default"]["weights"], tp[1 - rank]["default"]["weights"], "ranks")
+        assert_tensors_equal(tp[rank]["adamw"]["weights"], tp[1 - rank]["adamw"]["weights"], "ranks")
 
 
 def test_partial_placements_stay_on_their_dtensor(tp):

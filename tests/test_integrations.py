@@ -67,6 +67,40 @@ def test_lightning_fit_with_the_callback_equals_without(ap, optimizer_first, chu
     assert entry["steps"] == STEPS and entry["fusion"]["fused_steps"] == STEPS
 
 
+class ClippedModule(TinyModule):
+    """AdamW with a per-step StepLR; the Trainer clips gradients, so it steps with a closure."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def clipped_fit(callbacks, steps=150):
+    xs, ys = zip(*batches(steps, batch=16))
+    loader = DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=16)
+    module = ClippedModule()
+    L.Trainer(max_steps=steps, gradient_clip_val=0.5, accelerator="cpu", devices=1, callbacks=callbacks,
+              enable_progress_bar=False, logger=False, enable_checkpointing=False,
+              enable_model_summary=False).fit(module, loader)
+    return weights(module)
+
+
+def test_autotune_on_a_lightning_fit_with_clipping_equals_without(ap):
+    """Lightning steps with a closure and the Trainer clips: the watch rules out backward and
+    forward, so the search never proposes them, and the fit ends as it does unpatched."""
+    pytest.importorskip("bayes_opt")
+    ref = clipped_fit([])
+    got = clipped_fit([LightningCallback(policy="autotune", autotune={
+        "warmup_steps": 10, "warmup_seconds": 0.0, "trial_seconds": 0.02, "windows": 3, "max_samples": 6})])
+    assert_same(got, ref)
+    tune = ap.report()["autotune"]
+    assert len(tune["trials"]) >= 3, tune
+    assert {t["config"]["mode"] for t in tune["trials"]} <= {"off", "multi_layer"}
+    assert set(tune["ruled_out_modes"]) == {"backward", "forward"}
+    assert "closure-based step()" in tune["ruled_out_modes"]["backward"]
+
+
 def test_lightning_fit_that_raises_still_disables(ap):
     with pytest.raises(RuntimeError, match="boom"):
         lightning_fit(TinyModule(fail_at=3), [LightningCallback()])

@@ -108,7 +108,23 @@ BAD = {
     "too small a size": ("allreduce:\n  enabled: true\n  bucket_bytes: 12\n", 3, "'allreduce.bucket_bytes'"),
     "unknown choice": ("fusion:\n  mode: turbo\n", 2, "'fusion.mode'"),
     "newer schema": ("version: 2\nfusion:\n  mode: auto\n", 1, "'version'"),
+    "unknown auto candidate": ("fusion:\n  auto_candidates: [backward, turbo]\n", 2,
+                               "'fusion.auto_candidates'"),
+    "empty auto candidates": ("fusion:\n  auto_candidates: []\n", 2, "'fusion.auto_candidates'"),
+    "too few measure steps": ("fusion:\n  measure_steps: 4\n", 2, "'fusion.measure_steps'"),
+    "both spellings": ("fusion:\n  auto_order: [backward]\n  auto_candidates: [forward]\n", 2,
+                       "'fusion.auto_order'"),
 }
+
+
+def test_auto_candidates_and_the_older_auto_order_spelling(tmp_path):
+    """auto_order (a fixed order, from before auto measured) now names the same candidates."""
+    assert policy.load("default").fusion.auto_candidates == "auto"
+    new = policy.load(str(write(tmp_path, "fusion:\n  auto_candidates: [off, backward, multi_layer]\n")))
+    old = policy.load(str(write(tmp_path, "fusion:\n  auto_order: [backward, forward, multi_layer]\n")))
+    assert new.fusion.auto_candidates == ("off", "backward", "multi_layer")
+    assert old.fusion.auto_candidates == ("backward", "forward", "multi_layer")
+    assert policy.load("default", overrides={"fusion.measure_steps": 64}).fusion.measure_steps == 64
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

@@ -34,6 +34,23 @@ def logdir(tmp_path_factory):
     return logs, report
 
 
+AUTO_YAML = "version: 1\nfusion:\n  mode: auto\n  observe_steps: 2\n  measure_steps: 48\n"
+
+
+@pytest.fixture(scope="module")
+def auto_run(logdir, tmp_path_factory):
+    """A real run of the example under mode auto (no autotune), logging to the run ``auto``."""
+    tmp = tmp_path_factory.mktemp("tb-auto")
+    (tmp / "auto.yaml").write_text(AUTO_YAML)
+    out = run_python([ROOT / "examples" / "train_mlp.py", "--steps", "120", "--depth", "8"],
+                     env=clean_env(FUSEDOPT_ENABLE=1, FUSEDOPT_POLICY=tmp / "auto.yaml",
+                                   FUSEDOPT_LOGDIR=logdir[0] / "auto", FUSEDOPT_REPORT=tmp / "report.json"))
+    assert out.returncode == 0, out.stderr
+    auto = json.loads((tmp / "report.json").read_text())["optimizers"][0]["auto"]
+    assert auto["chosen"] in auto["candidates"] and not auto["measuring"], auto
+    return auto
+
+
 def test_scalars_and_hparams_sessions_read_back(logdir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
@@ -71,7 +88,7 @@ def get(url, timeout=10):
 
 
 @pytest.fixture(scope="module")
-def server(logdir, tmp_path_factory):
+def server(logdir, auto_run, tmp_path_factory):
     logs, report = logdir
     port = free_port()
     log = (tmp_path_factory.mktemp("server") / "tensorboard.log").open("w")
@@ -88,20 +105,20 @@ def server(logdir, tmp_path_factory):
             pass
         assert proc.poll() is None and time.time() < deadline, f"tensorboard did not start, see {log.name}"
         time.sleep(0.5)
-    yield base, report
+    yield base, report, auto_run
     proc.terminate()
     proc.wait(timeout=20)
     log.close()
 
 
 def test_plugin_routes_serve_the_run(server):
-    base, report = server
+    base, report, auto = server
     listing = json.loads(get(f"{base}/data/plugins_listing")[2])
     assert listing["autopatch"]["enabled"] is True
     assert listing["autopatch"]["loading_mechanism"] == {"type": "IFRAME", "module_path": "/data/plugin/autopatch/index.js"}
     status, ctype, js = get(f"{base}/data/plugin/autopatch/index.js")
     assert status == 200 and "javascript" in ctype and "export async function render" in js
-    assert json.loads(get(f"{base}/data/plugin/autopatch/runs")[2])["runs"] == ["."]
+    assert json.loads(get(f"{base}/data/plugin/autopatch/runs")[2])["runs"] == [".", "auto"]
     run = json.loads(get(f"{base}/data/plugin/autopatch/run?run=.")[2])
     assert [t["score"] for t in run["trials"]] == [t["score"] for t in report["trials"]]
     # the table's step time is the one the score stands for: both rank the trials alike
@@ -110,6 +127,10 @@ def test_plugin_routes_serve_the_run(server):
     assert run["frozen"]["config"] == report["best"]["config"]
     assert run["best_trial"] == report["best"]["trial"]
     assert set(run["breakdown"]) >= {t["modes"][0] for t in report["trials"]}
+    assert run["auto"] == []              # autotune chose the mode there: auto did not measure
+    [measured] = json.loads(get(f"{base}/data/plugin/autopatch/run?run=auto")[2])["auto"]
+    assert measured["chosen"] == auto["chosen"] and measured["ms_per_step"] == auto["ms_per_step"]
+    assert measured["measure_steps"] == auto["measure_steps"] <= 48
     with pytest.raises(urllib.error.HTTPError):
         get(f"{base}/data/plugin/autopatch/run?run=../..")
 
@@ -137,6 +158,20 @@ def test_empty_and_partial_log_dirs_get_a_clear_message(tmp_path):
     assert "Search in progress: 1 trial(s)" in body["message"] and "half-written" in body["message"]
 
 
+def test_a_failed_trial_is_listed_as_failed_and_never_best(tmp_path):
+    from tensorboard.plugins.base_plugin import TBContext
+    from werkzeug.test import Client
+    from autopatch_tensorboard.plugin import AutopatchPlugin
+    trials = [{"kind": "trial", "trial": 0, "config": {"mode": "off"}, "score": 10.0, "train_iter": 20},
+              {"kind": "trial", "trial": 1, "config": {"mode": "backward"}, "score": None, "train_iter": 31,
+               "failed": "backward became unsafe: a parameter received a second gradient"}]
+    (tmp_path / "autopatch.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trials))
+    app = AutopatchPlugin(TBContext(logdir=str(tmp_path))).get_plugin_apps()["/run"]
+    body = json.loads(Client(app).get("/run?run=.").get_data())
+    assert body["best_trial"] == 0
+    assert body["trials"][1]["score"] is None and "became unsafe" in body["trials"][1]["failed"]
+
+
 def chromium():
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if shutil.which(name):
@@ -152,8 +187,8 @@ def test_dashboard_tab_in_headless_chromium(server, tmp_path):
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as EC
-    from selenium.webdriver.support.ui import WebDriverWait
-    base, report = server
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+    base, report, auto = server
     opts = webdriver.ChromeOptions()
     opts.binary_location = chromium()
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -182,6 +217,12 @@ def test_dashboard_tab_in_headless_chromium(server, tmp_path):
         assert by_time == by_score
         assert "so that load from other jobs cancels out" in driver.find_element(By.ID, "trials-note").text
         assert driver.find_elements(By.CSS_SELECTOR, "#breakdown rect")
+        Select(driver.find_element(By.ID, "run-select")).select_by_value("auto")
+        wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#auto table tbody tr")))
+        modes = [r.text.split()[0] for r in driver.find_elements(By.CSS_SELECTOR, "#auto tbody tr")]
+        assert modes == auto["candidates"]
+        chosen = driver.find_element(By.CSS_SELECTOR, "#auto tr.chosen").text.split()
+        assert chosen[0] == auto["chosen"] and f"chose {auto['chosen']}" in driver.find_element(By.ID, "auto").text
         driver.switch_to.default_content()
         driver.save_screenshot(str(tmp_path / "autopatch-dashboard.png"))
         assert (tmp_path / "autopatch-dashboard.png").stat().st_size > 10_000

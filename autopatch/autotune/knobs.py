@@ -1,8 +1,11 @@
 """The knobs as this run sees them: which apply, their values now, and switching them.
 
 Fusion knobs act on the optimizers autopatch fuses when the search starts, through the
-controllers' ``set_mode`` / ``set_chunk_bytes`` (lossless between steps). Communication knobs act
-on the bucketed allreduce when one is in charge of a multi-process run, through its setters.
+controllers' ``set_mode`` / ``set_chunk_bytes`` (lossless between steps). The mode knob offers only
+the modes every one of them allows once it has watched the run, and a mode the run later shows
+it cannot use (a closure, gradient accumulation) is reported by ``newly_blocked``. Communication
+knobs act on the bucketed allreduce when one is in charge of a multi-process run, through its
+setters.
 """
 
 import math
@@ -16,8 +19,8 @@ COMM_SETTERS = {"bucket_size_2p": "set_bucket_bytes", "hierarchical": "set_hiera
 
 
 def choosing_mode(runtime):
-    """True while an optimizer is still watching the run to choose its mode (mode auto)."""
-    return any(getattr(c, "observation", None) is not None for c in runtime.controllers)
+    """True while an optimizer is still watching or measuring the run to choose its mode."""
+    return any(c.choosing for c in runtime.controllers)
 
 
 def exponent(nbytes):
@@ -29,10 +32,12 @@ def exponent(nbytes):
 class RunKnobs:
     def __init__(self, runtime):
         self.policy = runtime.policy
-        self.controllers = [c for c in runtime.controllers if c.mode != "off" and c.ref() is not None]
+        self.controllers = [c for c in runtime.controllers if c.fusable and c.ref() is not None]
         self.world = world_size()
         self.comm = comm_target(runtime) if self.world > 1 else None
         self.applied = {}
+        self.ruled_out = {}     # mode -> why the mode knob does not offer it
+        self._blocked = self._blocked_now()
 
     def why_not(self, knob):
         """Why a knob does not apply to this run, or None when it does."""
@@ -60,7 +65,38 @@ class RunKnobs:
                 left_out[knob] = why
                 continue
             bounds[knob] = self.policy.autotune.bounds_of(knob)
+        if "mode" in bounds:
+            bounds["mode"] = tuple(m for m in bounds["mode"] if self._allowed(m))
+            if not bounds["mode"]:
+                del bounds["mode"]
+                left_out["mode"] = "no mode of its bounds is allowed for this run: " + "; ".join(
+                    f"{m}: {why}" for m, why in self.ruled_out.items())
         return bounds, left_out
+
+    def _allowed(self, mode):
+        for c in self.controllers:
+            why = c.why_not(c.ref(), mode)
+            if why:
+                self.ruled_out[mode] = f"{c.qualname}: {why}"
+                return False
+        return True
+
+    def _blocked_now(self):
+        return {m: f"{c.qualname}: {why}" for c in self.controllers for m, why in c.blocked.items()}
+
+    def newly_blocked(self):
+        """Modes the run showed unusable since the last call (mode -> why); they are left out
+        of the mode knob from now on."""
+        now = self._blocked_now()
+        new = {m: why for m, why in now.items() if m not in self._blocked}
+        self._blocked = now
+        self.ruled_out.update(new)
+        return new
+
+    def resync(self):
+        """A controller left a mode by itself: the mode in effect is its, not the last applied."""
+        if "mode" in self.applied and self.controllers:
+            self.applied["mode"] = self.controllers[0].mode
 
     def current(self, knobs):
         """The values in effect before any switch: the run's starting config."""

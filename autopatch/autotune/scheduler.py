@@ -16,11 +16,19 @@ through lossless switches, so the search never changes what the model learns.
   across the whole search.
 - frozen: after ``max_samples`` trials (or when every config is measured) the best is applied
   for the rest of the run and saved as JSON. ``resume`` with such a file skips the search.
+
+The mode knob offers only the modes the run allows once its first steps have been watched. A mode
+the run later shows it cannot use (a closure appears, gradient accumulation starts: the controller
+leaves that mode by itself) is dropped from the search: the trial running it is logged as failed,
+and the best config that remains (or the starting one) runs before the next trial ("restore").
+The tuner never raises into the training loop: a failure of its own stops the search and keeps
+the best config so far, saying why in the report and on stderr.
 """
 
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -44,6 +52,9 @@ class Autotuner:
         self.knobs = self.space = self.tuner = self.csv = None
         self.left_out, self.notes = {}, []
         self.trials, self.best, self.current = [], None, None
+        self.start_config = None     # the run's config when the search began
+        self.unsafe_modes = {}       # mode -> why the run cannot use it (found while searching)
+        self.failure = None          # why the search stopped early, if it did
         self.applied = []            # [iteration, config] decided, as applied on this rank
         self.samples_per_step = None
         self.decision_seconds = 0.0
@@ -72,15 +83,37 @@ class Autotuner:
     def _tick(self, timer):
         if self.phase == "frozen":
             return
-        it = timer.iteration
+        try:
+            self._advance(timer.iteration)
+        except Exception as e:      # never into the training loop: stop, keep the best so far
+            self._stop(f"{type(e).__name__}: {e}")
+
+    def _advance(self, it):
         if self.started is None:
             self.started = time.perf_counter()
+        if self.phase in ("trial", "restore") and self.knobs is not None:
+            blocked = self.knobs.newly_blocked()     # every rank sees it at the same step
+            if blocked:
+                self._agree_and_follow(it, lambda: self._abandon(it, blocked))
+                return
         if self.phase == "trial" and self.current is not None:
             self._window(it)
         if it < self.until:
             return
+        self._agree_and_follow(it, lambda: self._decide(it))
+
+    def _agree_and_follow(self, it, decide):
+        """Rank 0 decides, every rank follows; a failure while deciding still gives every rank
+        a decision: stop searching, keep the best config so far."""
         t0 = time.perf_counter()
-        decision = self._decide(it) if is_decider() else None
+        decision = None
+        if is_decider():
+            try:
+                decision = decide()
+            except Exception as e:
+                decision = {"phase": "frozen", "config": self._fallback(),
+                            "trial": self.best["trial"] if self.best else None,
+                            "failed": f"{type(e).__name__}: {e}"}
         self._follow(agree(decision), it)
         self.decision_seconds += time.perf_counter() - t0
 
@@ -109,6 +142,8 @@ class Autotuner:
             if left > 0 or choosing_mode(self.runtime):
                 return {"phase": "warmup", "until": it + max(1, math.ceil(left / self._step_seconds()))}
             return self._begin(it)
+        if self.phase == "restore":
+            return self._next(it)
         return self._end_trial(it)
 
     def _step_seconds(self):
@@ -121,10 +156,15 @@ class Autotuner:
         self.search_started = time.perf_counter()
         self.knobs = RunKnobs(self.runtime)
         bounds, self.left_out = self.knobs.bounds()
+        if self.knobs.ruled_out:
+            self.notes.append("the mode knob leaves out " + "; ".join(
+                f"{m} ({why})" for m, why in self.knobs.ruled_out.items()))
         if self.resume_config is not None:
             config = {k: v for k, v in self.resume_config.items() if k in bounds}
             for k in set(self.resume_config) - set(config):
                 self.notes.append(f"resumed knob {k} does not apply to this run: left as is")
+            if config.get("mode", "off") not in bounds.get("mode", ("off",)):
+                self.notes.append(f"resumed mode {config.pop('mode')} is not allowed for this run: left as is")
             return {"phase": "frozen", "config": config, "resumed": self.cfg.resume}
         if not bounds:
             self.notes.append("no knob applies to this run: nothing to tune")
@@ -144,7 +184,8 @@ class Autotuner:
             self.board.samples_per_step = self.samples_per_step
             self.board.space(bounds, score.unit(self.samples_per_step))
         self._step_time = self._step_seconds()
-        return self._trial(0, self.knobs.current(bounds), it)
+        self.start_config = self.knobs.current(bounds)
+        return self._trial(0, self.start_config, it)
 
     def _trial(self, index, config, it):
         windows = self.cfg.windows
@@ -175,15 +216,59 @@ class Autotuner:
         if self.board is not None:
             self.board.trial_done(rec)
         self._step_time = w.seconds / w.steps
+        return self._next(it)
+
+    def _next(self, it):
         nxt = self.tuner.suggest() if len(self.trials) < self.cfg.max_samples else None
         if nxt is None:
-            return {"phase": "frozen", "config": self.best["config"], "trial": self.best["trial"]}
+            return {"phase": "frozen", "config": self._fallback(),
+                    "trial": self.best["trial"] if self.best else None}
         return self._trial(len(self.trials), nxt, it)
+
+    def _fallback(self):
+        """The best config so far, else the starting one (off for a mode found unsafe)."""
+        if self.best is not None:
+            return self.best["config"]
+        config = dict(self.start_config or {})
+        if config.get("mode") in self.unsafe_modes:
+            config["mode"] = "off"
+        return config
+
+    def _abandon(self, it, blocked):
+        """Modes the run showed it cannot use: never proposed again; a trial running one of them
+        (as candidate: it fails; as incumbent: it is dropped) ends, and the best config that
+        remains runs until the next trial."""
+        self.unsafe_modes.update(blocked)
+        if self.tuner is not None:
+            self.tuner.exclude("mode", set(blocked))
+        usable = [t for t in self.trials if t["score"] is not None
+                  and t["config"].get("mode") not in self.unsafe_modes]
+        self.best = max(usable, key=lambda t: t["score"], default=None)
+        cur = self.current
+        restore = {"phase": "restore", "config": self._fallback(), "until": it + SETTLE + 1}
+        if cur is None:
+            return restore if self.phase == "restore" else {"phase": self.phase, "until": self.until, "keep": True}
+        why = "; ".join(f"{m} became unsafe: {w}" for m, w in blocked.items())
+        if cur["config"].get("mode") in blocked:
+            rec = {"trial": cur["trial"], "config": cur["config"], "score": None, "raw_score": None,
+                   "failed": why, "train_iter": it, "modes": cur["modes"],
+                   "seconds": time.perf_counter() - cur["t0"], "steps": it - cur["start"],
+                   "started": cur["started"], "breakdown_ms": cur["window"].breakdown_ms()}
+            self.trials.append(rec)
+            if self.csv:
+                self.csv.add(rec["config"], "failed", it)
+            if self.board is not None:
+                self.board.trial_done(rec)
+            return restore
+        if (cur["incumbent"] or {}).get("mode") in blocked:
+            self.notes.append(f"trial {cur['trial']} dropped: its incumbent's mode {why}")
+            return restore
+        return {"phase": self.phase, "until": self.until, "keep": True}
 
     # -- every rank follows -------------------------------------------------------------------
     def _follow(self, decision, it):
         self.phase, self.until = decision["phase"], decision.get("until")
-        if self.phase == "warmup":
+        if self.phase == "warmup" or decision.get("keep"):
             return
         if self.knobs is None:
             self.knobs = RunKnobs(self.runtime)
@@ -191,8 +276,12 @@ class Autotuner:
             self.knobs.current(decision["config"])
         if self.board is not None:
             self.board.flush_window()   # no scalar window straddles a switch
+        self.knobs.resync()
         modes = self.knobs.apply(decision["config"])
         self.applied.append([it, decision["config"]])
+        if self.phase == "restore":
+            self.current = None
+            return
         if self.phase == "trial":
             self.current = {"trial": decision["trial"], "config": decision["config"], "start": it,
                             "per_window": decision["per_window"], "incumbent": decision["incumbent"],
@@ -207,7 +296,10 @@ class Autotuner:
     def _freeze(self, decision):
         self.search_ended = time.perf_counter()
         self.current = None
-        self.timer.listeners.remove(self._tick)
+        if self._tick in self.timer.listeners:
+            self.timer.listeners.remove(self._tick)
+        if decision.get("failed"):
+            self._say_stopped(decision["failed"], decision["config"])
         if self.board is not None:
             self.board.trial = None
         if not is_decider() or decision["config"] == {}:
@@ -228,9 +320,34 @@ class Autotuner:
                 or os.path.join(tempfile.gettempdir(), "autopatch_" + BEST_NAME))
 
     def _improvement(self):
-        if not self.trials or not self.trials[0]["score"]:
+        if not self.trials or not self.trials[0]["score"] or self.best is None:
             return None
         return self.best["score"] / self.trials[0]["score"] - 1
+
+    def _stop(self, reason):
+        """A failure of the tuner itself, on this rank: keep the best config so far and stop."""
+        config = None
+        try:
+            if self.knobs is not None:
+                config = self._fallback()
+                self.knobs.resync()
+                self.knobs.apply(config)
+        except Exception as e:
+            reason += f"; applying {config} failed too ({type(e).__name__}: {e})"
+            config = None
+        self.phase, self.current = "frozen", None
+        self.search_ended = time.perf_counter()
+        if self._tick in self.timer.listeners:
+            self.timer.listeners.remove(self._tick)
+        self._say_stopped(reason, config)
+
+    def _say_stopped(self, reason, config):
+        self.failure = reason
+        kept = f"keeping {config}" if config else "keeping the config in effect"
+        self.notes.append(f"autotune stopped: {reason}; {kept}")
+        if is_decider():
+            print(f"autopatch: autotune stopped after {len(self.trials)} trial(s): {reason}; {kept}",
+                  file=sys.stderr)
 
     # -- the report -------------------------------------------------------------------------
     def _cost(self):
@@ -250,10 +367,14 @@ class Autotuner:
         if self.space is not None:
             out.update(knobs=self.space.names, space_size=len(self.space.grid()),
                        unit=score.unit(self.samples_per_step))
+        if self.knobs is not None and self.knobs.ruled_out:
+            out["ruled_out_modes"] = dict(self.knobs.ruled_out)
+        if self.failure:
+            out["failed"] = self.failure
         if self.trials:
-            out["trials"] = [{k: t[k] for k in ("trial", "config", "score", "train_iter", "modes")}
-                             for t in self.trials]
-            out["best"] = {k: self.best[k] for k in ("trial", "config", "score")}
+            out["trials"] = [{k: t[k] for k in ("trial", "config", "score", "train_iter", "modes", "failed")
+                              if k in t} for t in self.trials]
+            out["best"] = {k: self.best[k] for k in ("trial", "config", "score")} if self.best else None
             out["improvement_over_start"] = self._improvement()
             out["cost"] = self._cost()
         out["log_csv"] = self.csv.path if self.csv else None

@@ -32,3 +32,13 @@ def agree(decision):
     box = [decision]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather(value):
+    """Every rank's ``value`` (any picklable object), in rank order, on every rank."""
+    dist = _group()
+    if dist is None:
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out

@@ -21,6 +21,7 @@ class BayesTuner:
     def __init__(self, space, seed=0):
         self.space = space
         self.scores = {}            # space.key(config) -> score
+        self.excluded = set()       # keys of configs that can no longer run in this run
         self._rng = random.Random(seed)
         self._bo = None
         self._registered = 0
@@ -34,16 +35,21 @@ class BayesTuner:
 
     def suggest(self):
         """The next config to measure, or None when every config has been measured."""
-        unseen = [c for c in self.space.grid() if self.space.key(c) not in self.scores]
+        unseen = [c for c in self.space.grid() if self.space.key(c) not in self.scores
+                  and self.space.key(c) not in self.excluded]
         if not unseen:
             return None
         if self._bo is None or self._registered < 1 + RANDOM_FIRST:
             return self._rng.choice(unseen)
         with threadpool_limits(limits=1):
             config = self.space.decode(self._bo.suggest())
-        if self.space.key(config) in self.scores:
+        if self.space.key(config) in self.scores or self.space.key(config) in self.excluded:
             return self._rng.choice(unseen)
         return config
+
+    def exclude(self, knob, values):
+        """Never propose a config whose ``knob`` is one of ``values`` again (a mode found unsafe)."""
+        self.excluded.update(self.space.key(c) for c in self.space.grid() if c.get(knob) in values)
 
     def register(self, config, score):
         self.scores[self.space.key(config)] = score

@@ -22,7 +22,7 @@ those of the buckets in flight and the chunks still filling.
 Only correct when the gradient at the end of one backward is the one ``step()`` would use: no
 gradient accumulation, clipping, GradScaler, or other reads of grads or params between backward and
 ``step()``. Mode ``auto`` checks that before choosing it; a second backward before ``step()`` is an
-error here rather than a silently different result.
+error here rather than a silently different result (not strict: fusion stops and ``unsafe`` says so).
 """
 
 import functools
@@ -41,8 +41,12 @@ class AccumulationError(RuntimeError):
 class BackwardFusion:
     mode = "backward"
 
-    def __init__(self, optimizer, chunk_bytes, owned_storages=None, averaged_by=None):
+    def __init__(self, optimizer, chunk_bytes, owned_storages=None, averaged_by=None, strict=True):
         self.opt = optimizer
+        # Not strict: where it would raise, it stops fusing instead, ``unsafe`` says why, and
+        # step() updates what backward did not (the caller then leaves this mode).
+        self.strict = strict
+        self.unsafe = None
         self.raw_step = raw_step_of(optimizer)
         self.planner = MultiLayerStep(optimizer, min(int(chunk_bytes), BACKWARD_WINDOW), align=True,
                                       owned_storages=owned_storages)
@@ -110,12 +114,20 @@ class BackwardFusion:
                 self._arrive(slot, p)
 
     def _arrive(self, slot, p):
+        if self.unsafe:
+            return
         if self.arrived[slot]:
+            if not self.strict:
+                self.unsafe = "a parameter received a second gradient before step() (gradient accumulation)"
+                return
             raise AccumulationError(
                 "autopatch mode 'backward': a parameter received a second gradient before "
                 "optimizer.step() (gradient accumulation, or a step skipped by GradScaler); "
                 "use mode 'forward', 'multi_layer' or 'auto' for this optimizer")
         if self.averaged_by is None and torch.is_grad_enabled():
+            if not self.strict:
+                self.unsafe = "backward with create_graph=True (double backward)"
+                return
             raise AccumulationError("autopatch mode 'backward' cannot run under create_graph=True "
                                     "(double backward); use mode 'multi_layer' or 'auto'")
         self.arrived[slot] = 1

@@ -1,4 +1,5 @@
-"""The autopatch tab in TensorBoard: autotune trials, the frozen config and per-mode step times.
+"""The autopatch tab in TensorBoard: what mode auto measured and chose, autotune trials, the
+frozen config and per-mode step times.
 
 It reads only the ``autopatch.jsonl`` records autopatch writes next to its event files (one per
 run directory), so it needs neither TensorFlow nor event parsing, and the page is one
@@ -19,6 +20,9 @@ JSONL = "autopatch.jsonl"
 STATIC = Path(__file__).resolve().parent / "static"
 MAX_DEPTH = 3          # how deep below the log dir runs are looked for
 PARTS = ("forward", "backward", "optimizer", "comm", "other", "compute")
+AUTO_KEYS = ("optimizer", "step", "chosen", "candidates", "ruled_out", "ms_per_step", "ratio_vs_off",
+             "speedup_vs_off", "rounds", "window_steps", "clock", "measure_steps", "measure_seconds",
+             "measure_steps_limit", "measurements", "why")
 
 
 def find_runs(logdir):
@@ -63,19 +67,21 @@ def summarize(records):
                  for p in PARTS if any(p in w["breakdown_ms"] for w in windows)}
         breakdown[mode] = {"parts_ms": parts, "steps": sum(w["steps"] for w in windows),
                            "step_ms": statistics.median(w["breakdown_ms"]["step"] for w in windows)}
-    best = max(trials, key=lambda t: t["score"]) if trials else None
+    scored = [t for t in trials if t.get("score") is not None]     # a failed trial has no score
+    best = max(scored, key=lambda t: t["score"]) if scored else None
+    auto = [{k: r.get(k) for k in AUTO_KEYS} for r in records if r.get("kind") == "auto"]
     out = {"knobs": list(space["knobs"]) if space else sorted({k for t in trials for k in t["config"]}),
            "unit": (space or {}).get("unit") or (frozen or {}).get("unit") or "steps/s",
            "trials": [{k: t.get(k) for k in ("trial", "config", "score", "step_ms", "train_iter", "modes",
-                                             "breakdown_ms")}
+                                             "breakdown_ms", "failed")}
                       for t in trials],
            "best_trial": best["trial"] if best else None,
-           "frozen": frozen, "breakdown": breakdown}
+           "frozen": frozen, "breakdown": breakdown, "auto": auto}
     if frozen is None and trials:
         out["message"] = f"Search in progress: {len(trials)} trial(s) so far, no config frozen yet."
     elif frozen is None:
-        out["message"] = ("No autotune trial has finished in this run yet (or autotune is off): "
-                          "only step times are shown.")
+        shown = "mode auto's measurements and step times are" if auto else "only step times are"
+        out["message"] = f"No autotune trial has finished in this run yet (or autotune is off): {shown} shown."
     return out
 
 
@@ -105,7 +111,7 @@ class AutopatchPlugin(base_plugin.TBPlugin):
         if not runs:
             body["message"] = (f"No autopatch records in {self._logdir or 'this log dir'}. Train with "
                                "FUSEDOPT_LOGDIR set to this directory (or logging.tensorboard_dir in the "
-                               "policy) and autotune enabled, then reload.")
+                               "policy), with mode auto or autotune, then reload.")
         return http_util.Respond(request, body, "application/json")
 
     @wrappers.Request.application

@@ -1,5 +1,6 @@
-// The autopatch tab: autotune trials (sortable), score by trial with the best marked, the frozen
-// config, and the per-step time breakdown for each fusion mode. Self-contained: no network.
+// The autopatch tab: what mode auto measured and chose, autotune trials (sortable), score by trial
+// with the best marked, the frozen config, and the per-step time breakdown for each fusion mode.
+// Self-contained: no network.
 
 const CSS = `
   body { font-family: Roboto, sans-serif; font-size: 14px; margin: 16px; color: #212121; }
@@ -10,7 +11,9 @@ const CSS = `
   th, td { padding: 4px 10px; border-bottom: 1px solid #e0e0e0; text-align: right; }
   th { cursor: pointer; user-select: none; background: #fafafa; }
   th.sorted::after { content: attr(data-dir); margin-left: 4px; }
-  tr.best td { background: #e8f5e9; font-weight: bold; }
+  tr.best td, tr.chosen td { background: #e8f5e9; font-weight: bold; }
+  tr.failed td { color: #c62828; }
+  td.mode { text-align: left; }
   .legend span { display: inline-block; margin-right: 12px; }
   .note { color: #616161; font-size: 12px; max-width: 760px; margin: 6px 0; }
   .swatch { display: inline-block; width: 10px; height: 10px; margin-right: 4px; }
@@ -51,8 +54,36 @@ function frozenSection(data) {
   return box;
 }
 
+function autoSection(data) {
+  const box = el("div", { id: "auto" });
+  for (const a of data.auto) {
+    const head = a.ms_per_step
+      ? `${a.optimizer}, step ${a.step}: chose ${a.chosen}, ${a.speedup_vs_off.toFixed(2)}x unpatched ` +
+        `(${a.rounds} rounds of ${a.window_steps} steps, ${a.clock})`
+      : `${a.optimizer}, step ${a.step}: chose ${a.chosen}: ${a.why}`;
+    box.append(el("div", { class: "frozen" }, head));
+    if (a.ms_per_step) {
+      const table = el("table", { class: "auto-modes" },
+        el("thead", {}, el("tr", {}, ...["mode", "ms/step", "vs unpatched"].map((c) => el("th", {}, c)))));
+      const body = el("tbody");
+      for (const [mode, ms] of Object.entries(a.ms_per_step)) {
+        const ratio = a.ratio_vs_off[mode];
+        body.append(el("tr", mode === a.chosen ? { class: "chosen" } : {},
+          el("td", { class: "mode" }, mode === "off" ? "off (unpatched)" : mode), el("td", {}, fmt(ms)),
+          el("td", {}, `${fmt(ratio)}x`)));
+      }
+      table.append(body);
+      box.append(table);
+    }
+    for (const [mode, why] of Object.entries(a.ruled_out || {})) box.append(el("div", {}, `not ${mode}: ${why}`));
+    box.append(el("div", {}, `${a.measure_steps} steps (${fmt(a.measure_seconds)} s) spent measuring in ` +
+      `${a.measurements.length} measurement(s), each at most ${a.measure_steps_limit} steps`));
+  }
+  return box;
+}
+
 function scoreChart(data) {
-  const trials = data.trials;
+  const trials = data.trials.filter((t) => t.score != null);
   const W = 560, H = 220, pad = 40;
   const s = svg("svg", { width: W, height: H, id: "score-chart" });
   const max = Math.max(...trials.map((t) => t.score)) * 1.1;
@@ -85,7 +116,8 @@ function scoreChart(data) {
 
 function trialsTable(data) {
   const cols = ["trial", ...data.knobs, "score", "train_iter", "step ms"];
-  const value = (t, c) => c === "step ms" ? t.step_ms : c in t ? t[c] : t.config[c];
+  const value = (t, c) => c === "step ms" ? t.step_ms : c === "score" && t.failed ? "failed"
+    : c in t ? t[c] : t.config[c];
   const table = el("table", { id: "trials" });
   const head = el("tr");
   const body = el("tbody");
@@ -95,7 +127,8 @@ function trialsTable(data) {
       const va = value(a, sortCol), vb = value(b, sortCol);
       return (va < vb ? -1 : va > vb ? 1 : 0) * dir;
     });
-    body.replaceChildren(...rows.map((t) => el("tr", t.trial === data.best_trial ? { class: "best" } : {},
+    body.replaceChildren(...rows.map((t) => el("tr",
+      t.trial === data.best_trial ? { class: "best" } : t.failed ? { class: "failed", title: t.failed } : {},
       ...cols.map((c) => el("td", {}, value(t, c) == null ? "" : fmt(value(t, c)))))));
     for (const th of head.children) {
       th.classList.toggle("sorted", th.dataset.col === sortCol);
@@ -151,10 +184,11 @@ async function showRun(root, run) {
   const data = await getJSON(`run?run=${encodeURIComponent(run)}`);
   const parts = [];
   if (data.message) parts.push(el("div", { class: "message" }, data.message));
+  if (data.auto.length) parts.push(el("h2", {}, "Mode auto: whole training step by mode (median ms)"), autoSection(data));
   const frozen = frozenSection(data);
   if (frozen) parts.push(frozen);
+  if (data.trials.some((t) => t.score != null)) parts.push(el("h2", {}, "Score by trial"), scoreChart(data));
   if (data.trials.length) {
-    parts.push(el("h2", {}, "Score by trial"), scoreChart(data));
     parts.push(el("h2", {}, `Trials (${data.trials.length}), click a column to sort`), trialsTable(data));
     parts.push(el("p", { class: "note", id: "trials-note" },
       "score: the median throughput of the trial's windows. From trial 1 on, those windows alternate " +
