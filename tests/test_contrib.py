@@ -123,7 +123,7 @@ def test_bert_adam_example_fuses_and_equals_unfused():
     assert_same(w, ref_w)
     assert_state_equal(opt.state_dict(), ref_opt.state_dict())
     layout = flat_of(opt).describe()
-    assert layout["fused_steps"] == 10 and layout["fused_params"] == 7 and layout["runs"] == 2
+    assert layout["fused_steps"] == 10 and layout["fused_params"] == 7 and layout["runs"] >= 2   # a run per group at least
 
 
 def test_bert_adam_with_per_tensor_clipping_falls_back_to_step_and_says_why():
@@ -151,9 +151,11 @@ def test_adadelta_as_in_the_api_doc(set_to_none, closure):
         model = mlp()
         optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
         if fused:
+            before = {p.untyped_storage().data_ptr() for p in model.parameters()}
             optimizer = fuse_optimizer(optimizer, do_flatten=True)
             storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-            assert len(storages) == 1, "do_flatten puts every parameter in one buffer up front"
+            assert not storages & before, "do_flatten moves every parameter into flat buffers up front"
+            assert len(storages) <= 2, "one buffer for the smallest parameters, one for the rest"
         sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
         loop_opt = as_fused(optimizer) if fused else optimizer
         losses = train(model, loop_opt, batches(8), sched, set_to_none=set_to_none, closure=closure)
@@ -204,10 +206,11 @@ def test_reassigned_param_data_is_detected(check_flatten):
     layout = flat_of(opt).describe()
     assert layout["replans"] >= 2 and layout["fused_steps"] == 8
     moved = model[0].weight.untyped_storage().data_ptr()
+    flat = {q.untyped_storage().data_ptr() for q in model.parameters() if q is not model[0].weight}
     if check_flatten:
-        assert layout["fused_params"] == 14 and moved == model[0].bias.untyped_storage().data_ptr()
+        assert layout["fused_params"] == 14 and moved in flat
     else:
-        assert layout["fused_params"] == 13 and moved != model[0].bias.untyped_storage().data_ptr()
+        assert layout["fused_params"] == 13 and moved not in flat
 
 
 def user_flattened(model, groups):

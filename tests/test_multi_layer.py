@@ -15,6 +15,7 @@ from training import (BertAdam, assert_same, assert_state_equal, batches, clone,
 CHUNK = 1024           # the 16x16 weights: one chunk each, the biases grouped (the default here)
 GATHERED_CHUNK = 4096  # every parameter of the 16-wide model is small: all grads gathered
 WIDE = 32              # with CHUNK, a 32x32 weight is cut into 4 chunks of its own
+WIDER = 64             # with CHUNK, the biases (whose grads are copied, not moved) span several chunks
 
 TORCH_OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
@@ -63,7 +64,7 @@ def run(make_opt, steps=12, patched=True, set_to_none=True, closure=False, width
 
 @pytest.mark.parametrize("name", sorted(TORCH_OPTIMIZERS))
 @pytest.mark.parametrize("set_to_none", [True, False])
-@pytest.mark.parametrize("chunk, width", [(GATHERED_CHUNK, 16), (CHUNK, 16), (CHUNK, WIDE)])
+@pytest.mark.parametrize("chunk, width", [(GATHERED_CHUNK, 16), (CHUNK, 16), (CHUNK, WIDE), (CHUNK, WIDER)])
 def test_bitwise_equal_to_unpatched(name, set_to_none, chunk, width):
     make = TORCH_OPTIMIZERS[name]
     ref = run(make, patched=False, set_to_none=set_to_none, width=width)
@@ -78,8 +79,9 @@ def test_bitwise_equal_to_unpatched(name, set_to_none, chunk, width):
 
 def test_large_params_are_updated_from_their_own_grads():
     """No copy of a large parameter's gradient: the chunks read it in place and the parameter
-    keeps the very tensor autograd made; small ones share chunk buffers; once the user frees the
-    grads (set_to_none) nothing keeps one alive."""
+    keeps the very tensor autograd made; small ones share chunk buffers (moved there, or for the
+    smallest copied into a bounded buffer); once the user frees the grads (set_to_none) nothing
+    keeps one alive."""
     model = mlp(WIDE)
     autopatch.enable(mode="multi_layer", chunk_bytes=CHUNK)
     try:
@@ -93,8 +95,11 @@ def test_large_params_are_updated_from_their_own_grads():
         large = [p.numel() * 4 >= CHUNK for p in model.parameters()]
         kept = [p.grad is g for p, g in zip(model.parameters(), made)]
         assert all(k for k, big in zip(kept, large) if big)
-        moved = stepped(autopatch.report())["fusion"]["gathered_params"]
-        assert moved == kept.count(False) > 0
+        fusion = stepped(autopatch.report())["fusion"]
+        assert fusion["gathered_params"] >= kept.count(False) and fusion["gathered_params"] > 0
+        # only the smallest parameters' grads are copied, into a buffer of at most 1/32 of them all
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert 0 < fusion["kept_grad_bytes"] <= grad_bytes / 32
         del made
         freed = [weakref.ref(p.grad) for p in model.parameters()]
         opt.zero_grad(set_to_none=True)
@@ -241,7 +246,7 @@ def test_mixed_dtypes_get_separate_runs():
     ref, got = go(False), go(True)
     assert_same(ref[0], got[0])
     assert_state_equal(ref[1], got[1])
-    assert stepped(got[2])["fusion"]["runs"] == 2
+    assert stepped(got[2])["fusion"]["runs"] >= 2      # a flat buffer holds one dtype
 
 
 @pytest.mark.parametrize("direction", ["patched_to_plain", "plain_to_patched"])
@@ -387,7 +392,7 @@ def test_an_unused_head_does_not_stop_the_rest_from_fusing():
     assert_same(ref[0], got[0])
     assert_state_equal(ref[1], got[1])
     fusion = stepped(got[2])["fusion"]
-    assert fusion["fused_steps"] == 5 and fusion["fallback_group_steps"] == 1
+    assert fusion["fused_steps"] >= 5 and fusion["fallback_group_steps"] == 1, str(fusion)
     assert fusion["replans"] == 2
 
 

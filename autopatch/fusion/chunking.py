@@ -17,6 +17,9 @@ Whatever size is asked for, a chunk is at most ``1/MEMORY_SHARE`` of the optimiz
 (never less than ``MEMORY_FLOOR``): gathering a chunk's gradients costs one chunk of memory for a
 moment, and an optimizer written as a loop of tensor ops holds a few chunk-sized temporaries where
 unpatched it held parameter-sized ones, so that bound keeps both to a few percent of the gradients.
+The same share bounds the one copy of gradients kept: that of parameters under ``KEEP_BELOW`` bytes
+(biases, norms), smallest first (``smallest_share``), gathered into a buffer made once rather than
+moved: for them a new view per step would cost more than the copy.
 """
 
 from pathlib import Path
@@ -26,6 +29,7 @@ ACCELERATOR_CHUNK = 32 << 20
 BACKWARD_WINDOW = 4 << 20
 MEMORY_SHARE = 32
 MEMORY_FLOOR = 2 << 20
+KEEP_BELOW = 16 << 10
 
 
 def l2_bytes():
@@ -53,3 +57,15 @@ def default_chunk_bytes(opt):
 def bounded_chunk_bytes(chunk_bytes, fused_bytes):
     """``chunk_bytes``, cut down to the memory bound for an optimizer fusing ``fused_bytes``."""
     return min(int(chunk_bytes), max(MEMORY_FLOOR, fused_bytes // MEMORY_SHARE))
+
+
+def smallest_share(params, fused_bytes):
+    """Ids of the parameters under KEEP_BELOW bytes, smallest first, whose bytes together stay
+    within 1/MEMORY_SHARE of ``fused_bytes``."""
+    budget, used, out = fused_bytes // MEMORY_SHARE, 0, set()
+    for p in sorted(params, key=lambda p: p.numel() * p.element_size()):
+        used += p.numel() * p.element_size()
+        if used > budget or p.numel() * p.element_size() >= KEEP_BELOW:
+            break
+        out.add(id(p))
+    return out

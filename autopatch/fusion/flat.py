@@ -50,9 +50,14 @@ class FlatRun:
     that buffer, so the original is freed at once and no gradient is ever held twice. Nothing but
     those views (and the chunk, during an update) keeps such a buffer alive: ``zero_grad()``
     frees it as it frees ordinary grads.
+
+    Moving costs a view per parameter per step, which on a run of tiny parameters (biases,
+    norms) is most of the work. ``keep_grads=True`` (for runs of the smallest parameters, whose
+    grads are a bounded share of the optimizer's) copies their grads into one buffer of the run's,
+    made once, and leaves each ``.grad`` as it is.
     """
 
-    def __init__(self, params, states, chunk_elems, align=False):
+    def __init__(self, params, states, chunk_elems, align=False, keep_grads=False):
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]
         self.offsets, total = [], 0
@@ -75,7 +80,12 @@ class FlatRun:
                              for i in range(i0, i1)]
                         for ci, ((s, _), (i0, i1)) in enumerate(zip(self.chunk_bounds, self.chunk_spans))
                         if ci not in self.direct}
-        self._moved = {}     # chunk index -> (weakref to buffer, weakrefs to the views given as .grad)
+        self._moved = {}     # chunk index -> weakref to the buffer its grads were last moved into
+        self._kept = None    # keep_grads: (the run's gradient buffer, chunk index -> its views)
+        if keep_grads and self._layout:
+            kept = torch.zeros(self.numel, dtype=p0.dtype, device=p0.device)
+            self._kept = (kept, {ci: self._views_of(kept, ci, at=s)
+                                 for ci, (s, _) in enumerate(self.chunk_bounds) if ci in self._layout})
         self._scratch = {}   # chunk index -> (scratch buffer, its chunk-long slice, views)
         self.chunks = [torch.nn.Parameter(self.flat[s:e], requires_grad=True) for s, e in self.chunk_bounds]
         self.chunk_states = [dict() for _ in self.chunks]
@@ -86,8 +96,13 @@ class FlatRun:
 
     @property
     def gathered_params(self):
-        """How many parameters have their grads moved into a chunk's buffer (the rest are read in place)."""
+        """How many parameters have their grads gathered into a chunk's buffer (the rest are read in place)."""
         return sum(i1 - i0 for ci, (i0, i1) in enumerate(self.chunk_spans) if ci not in self.direct)
+
+    @property
+    def kept_grad_bytes(self):
+        """Bytes of the buffer small parameters' grads are copied into (``keep_grads``)."""
+        return 0 if self._kept is None else self._kept[0].numel() * self._kept[0].element_size()
 
     def bind_grads(self, chunk_ids):
         """Set ``.grad`` of each chunk in ``chunk_ids`` from its parameters' grads.
@@ -101,8 +116,16 @@ class FlatRun:
         again without a copy.
         """
         for ci in chunk_ids:
-            if not self._bind_direct(ci):
+            if self._bind_direct(ci):
+                continue
+            if self._kept is None:
                 self.chunks[ci].grad = self._moved_grads(ci)
+                continue
+            i0, i1 = self.chunk_spans[ci]
+            with torch.no_grad():
+                torch._foreach_copy_(self._kept[1][ci], [p.grad for p in self.params[i0:i1]])
+            s, e = self.chunk_bounds[ci]
+            self.chunks[ci].grad = self._kept[0][s:e]
 
     def borrow_grads(self, ci, scratch):
         """Set chunk ``ci``'s ``.grad`` for one update, leaving the parameters' ``.grad`` as they
@@ -129,19 +152,21 @@ class FlatRun:
         self.chunks[ci].grad = flat[s - self.offsets[i]:e - self.offsets[i]]
         return True
 
-    def _views_of(self, buf, ci):
-        """Each parameter of chunk ``ci`` as a view of ``buf`` laid out like the chunk (one
-        ``as_strided`` per parameter: the cheapest view torch makes)."""
-        return [buf.as_strided(shape, stride, offset) for shape, stride, offset in self._layout[ci]]
+    def _views_of(self, buf, ci, at=0):
+        """Each parameter of chunk ``ci`` as a view of ``buf`` (a tensor at the start of its
+        storage), laid out like the chunk from element ``at`` on (one ``as_strided`` per
+        parameter: the cheapest view torch makes)."""
+        return [buf.as_strided(shape, stride, at + offset) for shape, stride, offset in self._layout[ci]]
 
     def _moved_grads(self, ci):
         i0, i1 = self.chunk_spans[ci]
         params = self.params[i0:i1]
         held = self._moved.get(ci)
-        if held is not None:
-            buf, views = held[0](), [v() for v in held[1]]
-            if buf is not None and all(v is not None and p.grad is v for p, v in zip(params, views)):
-                return buf
+        buf = held() if held is not None else None
+        if buf is not None and all(p.grad is not None and p.grad._base is buf
+                                   and p.grad.storage_offset() == offset
+                                   for p, (_, _, offset) in zip(params, self._layout[ci])):
+            return buf
         s, e = self.chunk_bounds[ci]
         grads = [p.grad for p in params]
         buf = torch.empty(e - s, dtype=grads[0].dtype, device=grads[0].device)
@@ -151,7 +176,7 @@ class FlatRun:
         del grads
         for p, v in zip(params, views):
             p.grad = v
-        self._moved[ci] = (weakref.ref(buf), [weakref.ref(v) for v in views])
+        self._moved[ci] = weakref.ref(buf)
         return buf
 
     def release_grads(self, chunk_ids=None):

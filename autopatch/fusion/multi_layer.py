@@ -11,7 +11,7 @@ import time
 import torch
 
 from .chunk_step import raw_step_of
-from .chunking import bounded_chunk_bytes
+from .chunking import bounded_chunk_bytes, smallest_share
 from .eligibility import unfusable_param
 from .flat import FlatRun, state_signature
 
@@ -109,14 +109,18 @@ class MultiLayerStep:
                     continue
                 buckets.setdefault((p.dtype, p.device, sig), []).append(p)
             groups.append((plan, buckets))
-        fused_bytes = sum(p.numel() * p.element_size() for _, buckets in groups
-                          for params in buckets.values() for p in params)
+        fused = [p for _, buckets in groups for params in buckets.values() for p in params]
+        fused_bytes = sum(p.numel() * p.element_size() for p in fused)
         self.chunk_bytes_used = bounded_chunk_bytes(self.chunk_bytes, fused_bytes)
+        kept = smallest_share(fused, fused_bytes)
         for plan, buckets in groups:
             for (dtype, _, sig), params in buckets.items():
                 elems = max(1, self.chunk_bytes_used // params[0].element_size())
-                states = [self.opt.state[p] for p in params] if sig else None
-                plan.runs.append(FlatRun(params, states, elems, **self.run_options))
+                for keep in (True, False):
+                    share = [p for p in params if (id(p) in kept) == keep]
+                    if share:
+                        states = [self.opt.state[p] for p in share] if sig else None
+                        plan.runs.append(FlatRun(share, states, elems, keep_grads=keep, **self.run_options))
         self.plans = [plan for plan, _ in groups]
         self.owned.update(run.flat.untyped_storage().data_ptr() for plan in self.plans for run in plan.runs)
         self.dirty = False
@@ -247,6 +251,7 @@ class MultiLayerStep:
             "fused_params": sum(len(r.params) for r in runs),
             "flat_bytes": sum(r.numel * r.flat.element_size() for r in runs),
             "gathered_params": sum(r.gathered_params for r in runs),
+            "kept_grad_bytes": sum(r.kept_grad_bytes for r in runs),
             "chunk_bytes": self.chunk_bytes_used,
             "chunk_bytes_requested": self.chunk_bytes,
             "replans": self.replans,
