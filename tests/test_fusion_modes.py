@@ -478,3 +478,24 @@ def test_accumulation_starting_under_backward_chosen_by_auto_is_reported_not_rai
     err = capsys.readouterr().err
     assert err.count("this step's update differs from unpatched") == 1
     assert all(torch.isfinite(w).all() for w in got[1])
+
+
+@pytest.mark.parametrize("mode", ["forward", "auto"])
+def test_a_compiled_model_rules_out_forward(mode):
+    """A deferred update cannot be applied inside compiled code, so a model run through
+    torch.compile must not get forward fusion: the watch sees its modules traced and says so."""
+    def compiled(model, opt, data, sched):
+        torch._dynamo.reset()
+        try:
+            return plain(torch.compile(model, backend="eager"), opt, data, sched)
+        finally:
+            torch._dynamo.reset()
+    data = batches(12)
+    ref = reference(data, loop=compiled)
+    got, entry, _ = patched(data, loop=compiled, mode=mode, chunk_bytes=2048, fusion=SHORT)
+    assert_all_same(ref, got)
+    assert entry["mode"] != "forward"
+    if mode == "forward":
+        assert entry["mode"] == "multi_layer" and "torch.compile" in entry["reason"], entry["reason"]
+    else:
+        assert "torch.compile" in entry["auto"]["ruled_out"]["forward"]
