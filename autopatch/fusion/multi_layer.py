@@ -58,6 +58,7 @@ class MultiLayerStep:
         self.owned = set() if owned_storages is None else owned_storages
         self.plans = None
         self.swapped = []
+        self.held = []              # (group, its params) while the route stepped them in place
         self.dirty = True
         self.excluded = {}          # reason -> count of parameters left out of fusion
         self.fused_steps = 0
@@ -167,6 +168,9 @@ class MultiLayerStep:
 
     def restore(self):
         """Put the user's params back and keep per-parameter state in step with the flat state."""
+        held, self.held = self.held, []
+        for group, params in held:
+            group["params"] = params
         swapped, self.swapped = self.swapped, []
         for group, plan, fused in swapped:
             group["params"] = plan.original
@@ -189,17 +193,39 @@ class MultiLayerStep:
 
         Returns the closure the optimizer should call instead, or None.
         """
+        fuse = self._step_params if getattr(self.route, "takes_params", False) else self._step_chunks
         if closure is None:
-            self.swap_in()
-            self._route_step()
+            fuse()
             return None
 
         def closure_then_fuse():
             loss = closure()
-            self.swap_in()
-            self._route_step()
+            fuse()
             return loss
         return closure_then_fuse
+
+    def _step_chunks(self):
+        self.swap_in()
+        self._route_step()
+
+    def _step_params(self):
+        """A route whose kernel takes a list of tensors in one call (torch's fused kernels) gains
+        nothing from chunks: it steps the parameters as they are, each reading its own grad (no
+        gathering), and the user's step() gets only the params it steps per tensor."""
+        if self.held:
+            return
+        items = []
+        for gi, group in enumerate(self.opt.param_groups):
+            ready = [p for p in group["params"] if p.grad is not None and not p.grad.is_sparse
+                     and unfusable_param(p) is None]
+            if ready:
+                items += [(gi, p, self.opt.state[p]) for p in ready]
+                self.held.append((group, group["params"]))
+                taken = {id(p) for p in ready}
+                group["params"] = [p for p in group["params"] if id(p) not in taken]
+        if items:
+            self.route.step_chunks(self.opt, items)
+            self.fused_steps += 1
 
     def _route_step(self):
         """Under a rounding route: step the swapped-in chunks through it, and leave the user's

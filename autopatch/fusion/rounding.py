@@ -35,6 +35,7 @@ class Route:
     """The bitwise route, and what every route shares: the first step of a chunk, the fallback."""
 
     kind = BITWISE
+    takes_params = False
 
     def __init__(self, opt, reason="fusion.exact: bitwise", max_deviation=None):
         self.raw = raw_step_of(opt)
@@ -62,7 +63,8 @@ class Route:
         if first:
             step_chunks(opt, self.raw, first, hparams)
             self.ready.update((id(chunk), chunk) for _, chunk, _ in first)
-        rest = [it for it in items if all(it is not f for f in first)]
+        stepped = {id(chunk) for _, chunk, _ in first}
+        rest = [it for it in items if id(it[1]) not in stepped]
         if rest:
             self._step_ready(opt, rest, hparams)
 
@@ -90,6 +92,7 @@ class Route:
 
 class FusedKernelRoute(Route):
     kind = FUSED
+    takes_params = True     # one kernel call takes every tensor of a group: no chunks needed
 
     def __init__(self, opt, reason="", max_deviation=None):
         super().__init__(opt, reason, max_deviation)
