@@ -24,7 +24,7 @@ def enable(policy=None, **overrides):
 
     ``policy``: a builtin policy name (``default``, ``safe``, ``multi_layer``, ...) or a YAML path;
     ``None`` uses ``FUSEDOPT_POLICY`` or ``default``. Keyword overrides (``mode=``,
-    ``chunk_bytes=``, ``report=``, ``logdir=``, ``compile=``, ``autotune=``, or a section mapping
+    ``chunk_bytes=``, ``exact=``, ``report=``, ``logdir=``, ``autotune=``, or a section mapping
     such as ``fusion={...}``) win over environment variables, which win over the policy file.
     Raises ``PolicyError`` for an invalid policy. Calling it again while enabled only warns.
     """

@@ -24,6 +24,7 @@ from .fusion.chunking import default_chunk_bytes
 from .fusion.forward import ForwardFusion
 from .fusion.multi_layer import MultiLayerStep
 from .fusion.probe import probe
+from .fusion.rounding import choose as choose_route
 from .observe import CLOSURE, Observation
 from .policy import class_matches
 
@@ -76,6 +77,7 @@ class OptimizerController:
         self.owned_storages = set()  # flat buffers built for this optimizer, by any mode
         self.chunk_bytes = None
         self.bitwise = None
+        self.route = None             # how fused chunks are stepped (fusion/rounding.py)
         self.observation = None
         self.watched = False          # the first steps were watched: ``blocked`` is known
         self.blocked = {}             # mode -> what this run does that the mode would get wrong
@@ -165,9 +167,8 @@ class OptimizerController:
         return comm if comm is not None and comm.averages(params) else None
 
     def _probe_note(self):
-        if self.policy.fusion.compile:
-            return ("multi_layer steps run through torch.compile: equal to per-tensor updates within "
-                    "float rounding (the compiler may fuse arithmetic); backward/forward stay eager")
+        if self.policy.fusion.exact == "rounding":
+            return self.route.note()
         if class_matches(self.qualname, self.policy.fusion.force) or not self.policy.fusion.probe:
             return "fused without the probe (fusion.force / fusion.probe: false)"
         if self.bitwise:
@@ -182,12 +183,12 @@ class OptimizerController:
             return strategy
         if mode == "multi_layer":
             return MultiLayerStep(opt, self.chunk_bytes, owned_storages=self.owned_storages,
-                                  compile=self.policy.fusion.compile)
+                                  route=self.route)
         if mode == "forward":
-            return ForwardFusion(opt, self.chunk_bytes, owned_storages=self.owned_storages)
+            return ForwardFusion(opt, self.chunk_bytes, owned_storages=self.owned_storages, route=self.route)
         return BackwardFusion(opt, self.chunk_bytes, owned_storages=self.owned_storages,
                               averaged_by=self._averaged_by(opt) if _world_size() > 1 else None,
-                              strict=strict)
+                              strict=strict, route=self.route)
 
     def _activate(self, opt, mode, reason, strict=False):
         """Leave the current mode (applying anything pending) and build the next one. The old
@@ -228,6 +229,8 @@ class OptimizerController:
             self._settle("off", f"left unfused: {why}")
             return
         self.fusable = True
+        fusion = self.policy.fusion
+        self.route = choose_route(opt, fusion.exact, fusion.max_deviation, fusion.compile_budget_seconds)
         self.chosen_by = "auto" if self.auto else "policy"
         wanted = set(self.auto.candidates if self.auto else (requested,)) | self._autotune_modes()
         if wanted & set(WATCHED_MODES):
@@ -479,6 +482,8 @@ class OptimizerController:
                "step_seconds": round(self.step_seconds, 6)}
         if self.bitwise is not None:
             out["bitwise"] = self.bitwise
+        if self.route is not None:
+            out["route"] = self.route.describe()
         if self.strategy is not None:
             out["fusion"] = self.strategy.describe()
         elif self.final_fusion is not None:

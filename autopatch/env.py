@@ -10,6 +10,7 @@ STRICT = "FUSEDOPT_STRICT"        # 1: start-up problems and autopatch's failure
 POLICY = "FUSEDOPT_POLICY"        # builtin policy name or path to a YAML file
 MODE = "FUSEDOPT_MODE"            # overrides fusion.mode
 CHUNK_BYTES = "FUSEDOPT_CHUNK_BYTES"  # overrides fusion.chunk_bytes
+EXACT = "FUSEDOPT_EXACT"          # overrides fusion.exact: bitwise or rounding
 LOGDIR = "FUSEDOPT_LOGDIR"        # overrides logging.tensorboard_dir
 REPORT = "FUSEDOPT_REPORT"        # overrides logging.report: JSON report path, "{rank}" expanded
 AUTOTUNE = "FUSEDOPT_AUTOTUNE"    # overrides autotune.enabled
@@ -31,6 +32,7 @@ _ENABLE_VALUES = {"1": True, "true": True, "0": False, "false": False, "": False
 OVERRIDES = {
     MODE: "fusion.mode",
     CHUNK_BYTES: "fusion.chunk_bytes",
+    EXACT: "fusion.exact",
     LOGDIR: "logging.tensorboard_dir",
     REPORT: "logging.report",
     AUTOTUNE: "autotune.enabled",
@@ -40,7 +42,7 @@ OVERRIDES = {
     AUTOTUNE_WARMUP_SECONDS: "autotune.warmup_seconds",
     AUTOTUNE_LOG: "autotune.log_csv",
 }
-_STRIPPED = {MODE, CHUNK_BYTES, AUTOTUNE, AUTOTUNE_MAX_SAMPLES, AUTOTUNE_TRIAL_SECONDS, AUTOTUNE_WARMUP_SECONDS}
+_STRIPPED = {MODE, CHUNK_BYTES, EXACT, AUTOTUNE, AUTOTUNE_MAX_SAMPLES, AUTOTUNE_TRIAL_SECONDS, AUTOTUNE_WARMUP_SECONDS}
 
 
 def flag(name, environ=None):

@@ -19,11 +19,12 @@ from . import env as _env
 SCHEMA_VERSION = 1
 MODES = ("off", "auto", "multi_layer", "backward", "forward")
 COMPRESSIONS = ("none", "fp16", "bf16", "minmax_uint8")
-TUNABLE_KNOBS = ("mode", "chunk_size_2p", "bucket_size_2p", "hierarchical", "compression", "compile")
+EXACTNESS = ("bitwise", "rounding")
+TUNABLE_KNOBS = ("mode", "chunk_size_2p", "bucket_size_2p", "hierarchical", "compression")
 # Search bounds when the policy gives none: (lo, hi) powers of two, or the list of choices.
 DEFAULT_BOUNDS = {"mode": ("off", "multi_layer", "backward", "forward"), "chunk_size_2p": (14, 26),
                   "bucket_size_2p": (10, 31), "hierarchical": (False, True),
-                  "compression": COMPRESSIONS, "compile": (False, True)}
+                  "compression": COMPRESSIONS}
 
 
 def class_matches(qualname, globs):
@@ -49,7 +50,9 @@ class Optimizers:
 class Fusion:
     mode: str = "auto"
     chunk_bytes: object = "auto"      # "auto" or a byte count
-    compile: bool = False
+    exact: str = "bitwise"             # "rounding": torch's fused kernels or torch.compile may step
+    max_deviation: float = 1e-6        # rounding: largest relative deviation per probe step
+    compile_budget_seconds: float = 60.0   # rounding: compile time spent before stepping eagerly
     probe: bool = True
     force: tuple = ()                  # class globs fused without the probe
     forbid: tuple = ()                 # class globs never fused
@@ -244,7 +247,9 @@ def _bounds(v):
 
 _CHECKS = {
     "optimizers.include": _globs, "optimizers.exclude": _globs,
-    "fusion.mode": _mode, "fusion.chunk_bytes": _chunk, "fusion.compile": _typed(bool),
+    "fusion.mode": _mode, "fusion.chunk_bytes": _chunk,
+    "fusion.exact": _choice(EXACTNESS), "fusion.max_deviation": _typed(float, 0.0),
+    "fusion.compile_budget_seconds": _typed(float, 0.0),
     "fusion.probe": _typed(bool), "fusion.force": _globs, "fusion.forbid": _globs,
     "fusion.observe_steps": _typed(int, 1, 1000), "fusion.auto_candidates": _auto_candidates,
     "fusion.auto_order": _auto_candidates, "fusion.measure_steps": _typed(int, 16, 1_000_000),
@@ -294,6 +299,11 @@ def _lines(text):
     return out
 
 
+# Keys of earlier versions whose meaning another key now carries.
+_REPLACED = {"fusion.compile": "fusion.compile was removed: use fusion.exact: rounding (torch's fused "
+                               "kernels or torch.compile step the chunks, equal to bitwise within float "
+                               "rounding, bounded by fusion.max_deviation)"}
+
 # Another spelling -> the key it sets: Bagua's knob, and auto_order from when auto took a fixed order.
 _SPELLINGS = {"allreduce.bucket_size_2p": "allreduce.bucket_bytes",
               "fusion.auto_order": "fusion.auto_candidates"}
@@ -303,6 +313,8 @@ def _apply(values, updates, where, lines):
     """Validate dotted-key updates and merge them into the nested ``values`` dict."""
     for key, raw in updates.items():
         loc = f"{where}:{lines[key]}" if key in lines else where
+        if key in _REPLACED:
+            raise PolicyError(f"{loc}: key '{key}': {_REPLACED[key]}")
         if key not in _CHECKS:
             section = key.split(".")[0]
             known = sorted(k for k in _CHECKS if k.startswith(section + ".")) or sorted(_SECTIONS)
@@ -392,7 +404,7 @@ def load(spec=None, env_overrides=None, overrides=None):
 
 
 ENABLE_ALIASES = {
-    "mode": "fusion.mode", "chunk_bytes": "fusion.chunk_bytes", "compile": "fusion.compile",
+    "mode": "fusion.mode", "chunk_bytes": "fusion.chunk_bytes", "exact": "fusion.exact",
     "logdir": "logging.tensorboard_dir", "report": "logging.report", "autotune": "autotune.enabled",
 }
 
@@ -405,6 +417,9 @@ def enable_overrides(kwargs):
             out.update({f"{k}.{sub}": val for sub, val in v.items()})
         elif k in ENABLE_ALIASES:
             out[ENABLE_ALIASES[k]] = v
+        elif k == "compile":
+            raise PolicyError("enable(): 'compile' was removed: use exact='rounding' "
+                              "(torch's fused kernels or torch.compile, within float rounding)")
         else:
             raise PolicyError(f"enable(): unknown argument '{k}' (use {', '.join(ENABLE_ALIASES)} "
                               f"or a section mapping: {', '.join(_SECTIONS)})")

@@ -48,6 +48,12 @@ def summary(report):
         ms = 1e3 * o["step_seconds"] / o["steps"] if o["steps"] else 0.0
         lines.append(f"  {o['class']}: {o['mode']} over {o['params']} params, {o['steps']} steps, "
                      f"{ms:.3f} ms/step - {o['reason']}")
+        route = o.get("route")
+        if route and route["deviation"] is not None:
+            lines.append(f"    route {route['route']}: probe deviation {route['deviation']:.2g} (relative, "
+                         f"bound {route['bound']:.2g}) - {route['why']}")
+        elif route and route["why"] != "fusion.exact: bitwise":
+            lines.append(f"    route {route['route']} - {route['why']}")
         auto = o.get("auto")
         if auto and auto.get("ms_per_step"):
             times = ", ".join(f"{m} {t:.3f}" for m, t in auto["ms_per_step"].items())

@@ -5,8 +5,10 @@ Measured on CUDA, on MobileNetV2, GPT-2 124M and a 400-tensor MLP.
 Contenders: unpatched with torch's default implementation (foreach on CUDA), a second unpatched
 process (the noise floor: what two identical processes differ by), unpatched ``foreach=False``,
 unpatched ``fused=True`` (AdamW and SGD only), autopatch ``multi_layer``, ``backward``,
-``forward`` and ``auto``, and the builtin policy ``fast``. A contender whose policy or option the
-autopatch under test does not know (``autopatch.PolicyError``) is skipped with a note.
+``forward`` and ``auto``, and the builtin policy ``fast`` (mode auto, and forced to
+``multi_layer`` and ``backward``; the notes give each optimizer's route, probe deviation and
+compile time). A contender whose policy or option the autopatch under test does not know
+(``autopatch.PolicyError``) is skipped with a note.
 
 Method. Each contender trains in a process of its own (global hooks of one mode can never slow
 another, and each process's peak memory is its own), all started once per workload from a fork
@@ -29,7 +31,7 @@ the largest over all turns.
 Checks. Training results: every contender trains ``--check-steps`` steps from the same seed in a
 fresh process under ``torch.use_deterministic_algorithms(True)``, and its model and optimizer
 state are compared with unpatched's: bit for bit, or the largest weight difference (``fused=True``
-and ``fast`` are expected to differ by float rounding; the exact modes must not differ at all, and
+and the ``fast`` contenders are expected to differ by float rounding; the exact modes must not differ at all, and
 the script exits 1 if one does). No host-device sync: after timing, each contender runs two
 steady-state steps under ``torch.cuda.set_sync_debug_mode("error")``; a synchronising call fails
 the check with torch's message and where it was made.
@@ -251,7 +253,9 @@ TABLE = [UNPATCHED,
          Contender("foreach_off", "unpatched foreach=False", options=(("foreach", False),)),
          Contender("fused", "unpatched fused=True", options=(("fused", True),)),
          *[fusion_mode(m) for m in EXACT_MODES],
-         Contender("fast", "autopatch policy fast (within rounding)", "fast")]
+         Contender("fast", "autopatch policy fast (within rounding)", "fast"),
+         Contender("fast_multi_layer", "autopatch fast, multi_layer", "fast", (("mode", "multi_layer"),)),
+         Contender("fast_backward", "autopatch fast, backward", "fast", (("mode", "backward"),))]
 
 
 def unavailable(key, contender):
@@ -746,6 +750,9 @@ def notes(rows_by_key, checks=None):
         for name, r in results.items():
             for m, why in (r.get("final") or {}).get("modes") or []:
                 said.setdefault(f"{name}: {m}: {why}", []).append(key)
+            for o in (((r.get("final") or {}).get("report") or {}).get("optimizers") or []):
+                if (o.get("route") or {}).get("why", "fusion.exact: bitwise") != "fusion.exact: bitwise":
+                    said.setdefault(f"{name}: {route_text(o['route'])}", []).append(key)
             if r.get("status") in ("skipped", "failed"):
                 detail = first_line(r["note"]) if r["status"] == "failed" else "; ".join(r["note"].splitlines())
                 said.setdefault(f"{name}: {r['status']}: {detail}", []).append(key)
@@ -755,6 +762,17 @@ def notes(rows_by_key, checks=None):
     every = len(rows_by_key) > 1
     return [f"- {text} ({'every workload' if every and len(keys) == len(rows_by_key) else ', '.join(keys)})"
             for text, keys in said.items()], broken
+
+
+def route_text(route):
+    """The rounding route an optimizer took (policy fast), with the probe's figure and, for a
+    compiled one, its compile time (the first run's; later runs reuse Inductor's cache)."""
+    text = f"route {route['route']}"
+    if route.get("deviation") is not None:
+        text += f", probe deviation {route['deviation']:.1e} (bound {route['bound']:.0e})"
+    if route.get("graphs") is not None:
+        text += f", {route['graphs']} graph(s) compiled in {route.get('compile_seconds', 0):.1f} s"
+    return f"{text}: {route['why']}"
 
 
 def environment(info, args, extra=""):

@@ -330,46 +330,6 @@ def test_chunk_size_and_mode_switch_between_steps():
     assert_state_equal(ref_opt.state_dict(), opt.state_dict())
 
 
-def test_compile_runs_the_fused_step_compiled():
-    """fusion.compile: the fused step goes through torch.compile; the compiler may contract
-    arithmetic differently, so equality is within float rounding, and the report says so."""
-    make = TORCH_OPTIMIZERS["adamw"]
-    ref = run(make, patched=False, steps=6)
-    got = run(make, steps=6, compile=True)
-    entry = stepped(got[3])
-    assert entry["fusion"]["compiled"] is True, entry["fusion"]["compile_error"]
-    assert entry["fusion"]["compile_seconds"] > 0
-    assert "torch.compile" in entry["reason"]
-    for a, b in zip(ref[1], got[1]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_compile_past_dynamos_recompile_limit_says_so_and_stays_exact():
-    """Dynamo counts recompiles per code object, so optimizers of one class share its limit; past
-    it the step must run eagerly (bitwise as unpatched) and the report must not claim compiled."""
-    make = TORCH_OPTIMIZERS["adamw"]
-    unpatched = mlp()
-    train(unpatched, make(two_groups(unpatched)), batches(4))
-    torch._dynamo.reset()
-    try:
-        with torch._dynamo.config.patch(recompile_limit=1):
-            autopatch.enable(mode="multi_layer", chunk_bytes=CHUNK, compile=True)
-            try:
-                first, second = mlp(), mlp()
-                opts = [make(two_groups(m)) for m in (first, second)]
-                for model, opt in zip((first, second), opts):
-                    train(model, opt, batches(4))
-                entries = autopatch.report()["optimizers"]
-            finally:
-                autopatch.disable()
-    finally:
-        torch._dynamo.reset()
-    late = entries[1]["fusion"]
-    assert late["compiled"] is False
-    assert "recompile limit (1" in late["compile_error"]
-    assert_same(weights(unpatched), weights(second))     # eager from its first step: exactly unpatched
-
-
 def test_an_unused_head_does_not_stop_the_rest_from_fusing():
     """Params that never get a gradient end up in a run of their own, which is skipped as the
     optimizer skips them, while the rest keeps fusing (no re-plan every step)."""

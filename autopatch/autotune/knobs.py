@@ -43,8 +43,6 @@ class RunKnobs:
         """Why a knob does not apply to this run, or None when it does."""
         if knob in ("mode", "chunk_size_2p") and not self.controllers:
             return "no optimizer is fused in this run"
-        if knob == "compile":
-            return "no run-time compile switch in this version"
         if knob in COMM_SETTERS:
             if self.world == 1:
                 return "single-process run"

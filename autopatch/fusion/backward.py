@@ -29,9 +29,9 @@ import functools
 
 import torch
 
-from .chunk_step import raw_step_of, step_chunks
 from .chunking import BACKWARD_WINDOW
 from .multi_layer import MultiLayerStep
+from .rounding import Route
 
 
 class AccumulationError(RuntimeError):
@@ -41,13 +41,14 @@ class AccumulationError(RuntimeError):
 class BackwardFusion:
     mode = "backward"
 
-    def __init__(self, optimizer, chunk_bytes, owned_storages=None, averaged_by=None, strict=True):
+    def __init__(self, optimizer, chunk_bytes, owned_storages=None, averaged_by=None, strict=True,
+                 route=None):
         self.opt = optimizer
         # Not strict: where it would raise, it stops fusing instead, ``unsafe`` says why, and
         # step() updates what backward did not (the caller then leaves this mode).
         self.strict = strict
         self.unsafe = None
-        self.raw_step = raw_step_of(optimizer)
+        self.route = route or Route(optimizer)     # how a chunk is stepped (rounding.py)
         self.planner = MultiLayerStep(optimizer, min(int(chunk_bytes), BACKWARD_WINDOW), align=True,
                                       owned_storages=owned_storages)
         self.averaged_by = averaged_by
@@ -147,7 +148,7 @@ class BackwardFusion:
             return
         run.borrow_grads(ci, self.scratch.get((run.flat.dtype, run.flat.device)))
         try:
-            step_chunks(self.opt, self.raw_step, [(gi, run.chunks[ci], run.chunk_states[ci])])
+            self.route.step_chunks(self.opt, [(gi, run.chunks[ci], run.chunk_states[ci])])
         finally:
             run.release_grads((ci,))
         for p in params:

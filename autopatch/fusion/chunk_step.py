@@ -15,7 +15,8 @@ def raw_step_of(opt):
 
 
 def step_chunks(opt, raw_step, items, hparams=None):
-    """Run ``raw_step`` over ``items`` = [(group_index, chunk, chunk_state)].
+    """Run ``raw_step`` over ``items`` = [(group_index, chunk, chunk_state)]; a chunk may also be
+    a parameter of the optimizer, stepped with its own state.
 
     ``hparams`` (group index -> dict) replaces group hyperparameters for the call: a deferred
     update must use the learning rate of the step() that recorded it, not a scheduler's newer one.
@@ -23,6 +24,7 @@ def step_chunks(opt, raw_step, items, hparams=None):
     groups = opt.param_groups
     saved_params = [g["params"] for g in groups]
     saved_hp = {}
+    added = [chunk for _, chunk, _ in items if chunk not in opt.state]   # a param keeps its own
     try:
         for g in groups:
             g["params"] = []
@@ -38,7 +40,7 @@ def step_chunks(opt, raw_step, items, hparams=None):
             g["params"] = params
         for gi, hp in saved_hp.items():
             groups[gi].update(hp)
-        for _, chunk, _ in items:
+        for chunk in added:
             opt.state.pop(chunk, None)
 
 

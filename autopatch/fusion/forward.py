@@ -19,16 +19,17 @@ tensor's version counter and is an error, never a silently different result.
 
 import torch
 
-from .chunk_step import hyperparameters, raw_step_of, step_chunks
+from .chunk_step import hyperparameters
 from .multi_layer import MultiLayerStep, split_by_grads
+from .rounding import Route
 
 
 class ForwardFusion:
     mode = "forward"
 
-    def __init__(self, optimizer, chunk_bytes, owned_storages=None):
+    def __init__(self, optimizer, chunk_bytes, owned_storages=None, route=None):
         self.opt = optimizer
-        self.raw_step = raw_step_of(optimizer)
+        self.route = route or Route(optimizer)     # how a chunk is stepped (rounding.py)
         self.planner = MultiLayerStep(optimizer, chunk_bytes, align=True, owned_storages=owned_storages)
         self.pending = {}      # (id(run), ci) -> (group index, run, ci, version of its grad)
         self.by_param = {}     # id(param) -> (id(run), ci) while its chunk is pending
@@ -95,7 +96,7 @@ class ForwardFusion:
                     "use mode 'multi_layer' or 'auto', or call autopatch.flush() before changing it")
         hp = {gi: self.hparams[gi] for gi, _, _, _ in items}
         try:
-            step_chunks(self.opt, self.raw_step, [(gi, run.chunks[ci], run.chunk_states[ci])
+            self.route.step_chunks(self.opt, [(gi, run.chunks[ci], run.chunk_states[ci])
                                                   for gi, run, ci, _ in items], hp)
         finally:
             for _, run, ci, _ in items:

@@ -6,11 +6,6 @@ swapped back, so outside ``step()`` the optimizer looks exactly as unpatched: sa
 per-parameter state (views into the flat state), same ``state_dict()``.
 """
 
-import time
-
-import torch
-
-from .chunk_step import raw_step_of
 from .chunking import bounded_chunk_bytes, smallest_share
 from .eligibility import unfusable_param
 from .flat import FlatRun, state_signature
@@ -50,14 +45,11 @@ class MultiLayerStep:
 
     mode = "multi_layer"
 
-    def __init__(self, optimizer, chunk_bytes, align=False, owned_storages=None, compile=False):
+    def __init__(self, optimizer, chunk_bytes, align=False, owned_storages=None, route=None):
         self.opt = optimizer
-        # compile: run the fused step through torch.compile (one pass over memory for any
-        # elementwise optimizer); the first call's time is the compile time; failures fall back.
-        self.compile = compile and raw_step_of(optimizer) is not None
-        self.compiled = None
-        self.compile_seconds = None
-        self.compile_error = None
+        # route (rounding.py): a rounding route steps the chunks itself; None or bitwise: the
+        # user's step() steps them
+        self.route = route
         self.chunk_bytes = int(chunk_bytes)     # as asked for; ``chunk_bytes_used`` after the cap
         self.chunk_bytes_used = None
         self.run_options = dict(align=align)
@@ -66,6 +58,7 @@ class MultiLayerStep:
         self.owned = set() if owned_storages is None else owned_storages
         self.plans = None
         self.swapped = []
+        self.held = []              # (group, its params) while the route stepped them in place
         self.dirty = True
         self.excluded = {}          # reason -> count of parameters left out of fusion
         self.fused_steps = 0
@@ -175,6 +168,9 @@ class MultiLayerStep:
 
     def restore(self):
         """Put the user's params back and keep per-parameter state in step with the flat state."""
+        held, self.held = self.held, []
+        for group, params in held:
+            group["params"] = params
         swapped, self.swapped = self.swapped, []
         for group, plan, fused in swapped:
             group["params"] = plan.original
@@ -197,37 +193,51 @@ class MultiLayerStep:
 
         Returns the closure the optimizer should call instead, or None.
         """
+        fuse = self._step_params if getattr(self.route, "takes_params", False) else self._step_chunks
         if closure is None:
-            self.swap_in()
-            if self.compile and self.swapped and self.compile_error is None:
-                self._compiled_step()
+            fuse()
             return None
 
         def closure_then_fuse():
             loss = closure()
-            self.swap_in()
+            fuse()
             return loss
         return closure_then_fuse
 
-    def _compiled_step(self):
-        """Update every swapped-in group with the compiled step, then leave the user's step()
-        nothing to do for them."""
-        t0 = time.perf_counter()
-        try:
-            if self.compiled is None:
-                self.compiled = torch.compile(raw_step_of(self.opt))
-            # Past dynamo's recompile limit (one count per code object, so optimizers of one class
-            # share it) dynamo would run the step eagerly without a word; raise instead, before
-            # the frame runs, so the report can say so.
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-                self.compiled(self.opt)
-        except Exception as e:   # the eager step() that follows does the update instead
-            self.compile_error = _compile_failure(e)
+    def _step_chunks(self):
+        self.swap_in()
+        self._route_step()
+
+    def _step_params(self):
+        """A route whose kernel takes a list of tensors in one call (torch's fused kernels) gains
+        nothing from chunks: it steps the parameters as they are, each reading its own grad (no
+        gathering), and the user's step() gets only the params it steps per tensor."""
+        if self.held:
             return
-        if self.compile_seconds is None:
-            self.compile_seconds = time.perf_counter() - t0
-        for group, _, _ in self.swapped:
-            group["params"] = []
+        items = []
+        for gi, group in enumerate(self.opt.param_groups):
+            ready = [p for p in group["params"] if p.grad is not None and not p.grad.is_sparse
+                     and unfusable_param(p) is None]
+            if ready:
+                items += [(gi, p, self.opt.state[p]) for p in ready]
+                self.held.append((group, group["params"]))
+                taken = {id(p) for p in ready}
+                group["params"] = [p for p in group["params"] if id(p) not in taken]
+        if items:
+            self.route.step_chunks(self.opt, items)
+            self.fused_steps += 1
+
+    def _route_step(self):
+        """Under a rounding route: step the swapped-in chunks through it, and leave the user's
+        step() only the params it steps per tensor."""
+        if self.route is None or self.route.kind == "bitwise" or not self.swapped:
+            return
+        index = {id(g): gi for gi, g in enumerate(self.opt.param_groups)}
+        items = [(index[id(group)], c, cs) for group, _, fused in self.swapped
+                 for run in fused for c, cs in zip(run.chunks, run.chunk_states)]
+        self.route.step_chunks(self.opt, items)
+        for group, _, fused in self.swapped:
+            group["params"] = group["params"][sum(len(run.chunks) for run in fused):]
 
     def after_step(self):
         self.restore()
@@ -259,19 +269,5 @@ class MultiLayerStep:
         }
 
     def describe(self):
-        out = dict(self.layout(), fused_steps=self.fused_steps,
-                   fallback_group_steps=self.fallback_steps, last_fallback=self.last_fallback)
-        if self.compile:
-            out.update(compiled=self.compile_error is None and self.compile_seconds is not None,
-                       compile_seconds=self.compile_seconds, compile_error=self.compile_error)
-        return out
-
-
-def _compile_failure(error):
-    """One line for the report on why torch.compile is not used for this optimizer."""
-    if type(error).__name__ == "FailOnRecompileLimitHit":
-        limit = torch._dynamo.config.recompile_limit
-        return (f"torch.compile reached dynamo's recompile limit ({limit}, shared by every optimizer "
-                "of this class in the process); this optimizer steps eagerly from here on (raise "
-                "torch._dynamo.config.recompile_limit to compile more optimizers)")
-    return f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        return dict(self.layout(), fused_steps=self.fused_steps,
+                    fallback_group_steps=self.fallback_steps, last_fallback=self.last_fallback)

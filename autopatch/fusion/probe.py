@@ -4,6 +4,10 @@ Run on a throw-away copy of the user's optimizer (same class, same hyperparamete
 over small random tensors of several shapes, so optimizers with per-tensor norms (LAMB, LARS),
 factored state (Adafactor) or matrix updates (Shampoo, Muon) are caught before they touch the
 user's model. Results are cached per class, hyperparameters, dtype and device.
+
+Under ``fusion.exact: rounding`` it also measures a rounding route (fused kernel, compiled; see
+rounding.py) against per-tensor steps: the largest deviation of any weight or state tensor,
+relative to that tensor's largest magnitude, must stay within the route's bound per step.
 """
 
 import copy
@@ -16,6 +20,7 @@ from .multi_layer import MultiLayerStep, NotFusable
 
 SHAPES = [(7, 5), (13,), (3, 4, 5), (1,), (33, 2), (4, 4)]
 STEPS = 3
+ROUTE_STEPS = 4        # a chunk's first step runs bitwise: three through the route
 _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
@@ -53,11 +58,12 @@ def _clone(opt, group, params):
     return clone
 
 
-def _run(opt, params, grads, how):
+def _run(opt, params, grads, how, route=None):
     """Step ``opt`` over ``params`` for each set of grads: per tensor ("plain"), over flat chunks
-    in one step() ("fused"), or one chunk per call of the unwrapped step ("split")."""
+    in one step() ("fused", through ``route`` when given), or one chunk per call of the unwrapped
+    step ("split")."""
     chunk_bytes = 48 * params[0].element_size()
-    planner = None if how == "plain" else MultiLayerStep(opt, chunk_bytes, align=how == "split")
+    planner = None if how == "plain" else MultiLayerStep(opt, chunk_bytes, align=how == "split", route=route)
     raw = raw_step_of(opt)
     if how == "split" and raw is None:
         raise NotFusable("its step() is not wrapped by torch's Optimizer hooks")
@@ -67,11 +73,11 @@ def _run(opt, params, grads, how):
         if how == "plain":
             opt.step()
         elif how == "fused":
-            planner.swap_in()
+            planner.before_step(None)
             try:
                 opt.step()
             finally:
-                planner.restore()
+                planner.after_step()
         else:
             if planner.needs_plan():
                 planner.plan()
@@ -96,13 +102,7 @@ def probe(opt, group, split=False):
     key = (type(opt), _hparams_key(group), p0.dtype, p0.device.type, split)
     if key in _cache:
         return _cache[key]
-    gen = torch.Generator().manual_seed(1234)
-    init = [torch.randn(s, generator=gen) for s in SHAPES]
-    grads = [[torch.randn(s, generator=gen) * (1 + i) for i, s in enumerate(SHAPES)] for _ in range(STEPS)]
-    to = dict(dtype=p0.dtype, device=p0.device)
-    ref = [torch.nn.Parameter(t.to(**to, copy=True)) for t in init]
-    fus = [torch.nn.Parameter(t.to(**to, copy=True)) for t in init]
-    grads = [[g.to(**to) for g in gs] for gs in grads]
+    ref, fus, grads = _inputs(p0, STEPS)
     try:
         ref_opt = _clone(opt, group, ref)
         fus_opt = _clone(opt, group, fus)
@@ -118,6 +118,80 @@ def probe(opt, group, split=False):
         result = _compare(ref, fus, ref_state, fus_state)
     _cache[key] = result
     return result
+
+
+def _inputs(p0, steps):
+    gen = torch.Generator().manual_seed(1234)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    grads = [[torch.randn(s, generator=gen) * (1 + i) for i, s in enumerate(SHAPES)] for _ in range(steps)]
+    to = dict(dtype=p0.dtype, device=p0.device)
+    return ([torch.nn.Parameter(t.to(**to, copy=True)) for t in init],
+            [torch.nn.Parameter(t.to(**to, copy=True)) for t in init],
+            [[g.to(**to) for g in gs] for gs in grads])
+
+
+def route_deviation(opt, route):
+    """None when ``route`` steps every param group of ``opt`` within its bound of per-tensor
+    steps, else why not. Sets ``route.deviation`` (the largest relative deviation found) and
+    ``route.bound`` (``max_deviation`` per step, over the probe's steps)."""
+    route.bound = route.max_deviation * ROUTE_STEPS
+    route.deviation = 0.0
+    for group in opt.param_groups:
+        p0 = next((p for p in group["params"] if p.dtype.is_floating_point), None)
+        if p0 is None:
+            continue
+        key = (type(opt), _hparams_key(group), p0.dtype, p0.device.type, route.kind, route.max_deviation)
+        if key not in _cache:
+            _cache[key] = _route_probe(opt, group, route, p0)
+        why, deviation = _cache[key]
+        route.deviation = max(route.deviation, deviation or 0.0)
+        if why:
+            return why
+    return None
+
+
+def _route_probe(opt, group, route, p0):
+    ref, fus, grads = _inputs(p0, ROUTE_STEPS)
+    try:
+        ref_opt = _clone(opt, group, ref)
+        fus_opt = _clone(opt, group, fus)
+        _run(ref_opt, ref, grads, "plain")
+        probe_route = route.fresh(fus_opt)
+        _run(fus_opt, fus, grads, "fused", probe_route)
+        ref_state = ref_opt.state_dict()["state"]
+        fus_state = fus_opt.state_dict()["state"]
+    except Exception as e:   # any failure means: not this route
+        return f"probe failed: {type(e).__name__}: {e}".splitlines()[0][:300], None
+    route.compile_seconds = getattr(route, "compile_seconds", 0.0) + getattr(probe_route, "compile_seconds", 0.0)
+    if probe_route.fallback:
+        return probe_route.fallback, None
+    pairs = list(zip(ref, fus))
+    for i in ref_state:
+        a, b = ref_state[i], fus_state.get(i, {})
+        if set(a) != set(b):
+            return f"its state keys {sorted(b)} differ from {sorted(a)}", None
+        for k in a:
+            va, vb = a[k], b[k]
+            if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor):
+                if (va.shape, va.dtype, va.device) != (vb.shape, vb.dtype, vb.device):
+                    return (f"state '{k}' becomes {vb.dtype} {tuple(vb.shape)} on {vb.device}, "
+                            f"not {va.dtype} {tuple(va.shape)} on {va.device}"), None
+                pairs.append((va, vb))
+            elif type(va) is not type(vb) or (va != vb and not isinstance(va, torch.Tensor)):
+                return f"state '{k}' differs", None
+    deviation = max(_relative(a, b) for a, b in pairs)
+    if not deviation <= route.bound:
+        return (f"the probe found it {deviation:.2g} (relative) from per-tensor steps, beyond the "
+                f"bound {route.bound:.2g} (fusion.max_deviation per step)"), deviation
+    return None, deviation
+
+
+def _relative(a, b):
+    """Largest elementwise difference relative to the larger tensor's largest magnitude."""
+    a, b = a.detach().double(), b.detach().double()
+    scale = max(a.abs().max().item(), b.abs().max().item()) if a.numel() else 0.0
+    diff = (a - b).abs().max().item() if a.numel() else 0.0
+    return diff / scale if scale else (0.0 if diff == 0 else float("inf"))
 
 
 def _compare(ref, fus, ref_state, fus_state):
