@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import autopatch
 
@@ -56,3 +57,26 @@ def installed():
     pth = site_packages() / "autopatch.pth"
     assert pth.is_file(), f"{pth} is missing: install the package (pip install -e .) first"
     return pth
+
+
+def spawn_two_ranks(worker, suite, tmp_path_factory, timeout):
+    """Run ranks 0 and 1 of ``worker``'s ``suite`` on gloo over loopback; each rank saves its
+    results to ``rank{r}.pt``. Returns ({rank: results} for the ranks that saved, outputs,
+    return codes)."""
+    tmp = tmp_path_factory.mktemp(suite)
+    env = clean_env(OMP_NUM_THREADS=1, GLOO_SOCKET_IFNAME="lo")
+    procs = [subprocess.Popen([sys.executable, str(TESTS / worker), suite, str(rank),
+                               str(tmp / "init"), str(tmp / f"rank{rank}.pt")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = {r: torch.load(tmp / f"rank{r}.pt", weights_only=False)
+               for r in (0, 1) if (tmp / f"rank{r}.pt").exists()}
+    return results, outputs, [p.returncode for p in procs]

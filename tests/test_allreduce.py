@@ -7,7 +7,6 @@ must stay within the bound documented in ``autopatch.comm.compression``.
 """
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -15,30 +14,14 @@ import torch
 
 from autopatch.comm.compression import error_bound
 from autopatch.fusion.chunking import BACKWARD_WINDOW
-from conftest import TESTS, clean_env, run_python, write_script
+from conftest import clean_env, run_python, spawn_two_ranks, write_script
 
 SPAWN_TIMEOUT = 150
 
 
 def spawn(suite, tmp_path_factory):
-    """Run both ranks of ``suite``; return {rank: saved results} and the processes' outputs."""
-    tmp = tmp_path_factory.mktemp(suite)
-    env = clean_env(OMP_NUM_THREADS=1, GLOO_SOCKET_IFNAME="lo")
-    procs = [subprocess.Popen([sys.executable, str(TESTS / "allreduce_worker.py"), suite, str(rank),
-                               str(tmp / "init"), str(tmp / f"rank{rank}.pt")],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=SPAWN_TIMEOUT)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results = {r: torch.load(tmp / f"rank{r}.pt", weights_only=False)
-               for r in (0, 1) if (tmp / f"rank{r}.pt").exists()}
-    return results, outputs, [p.returncode for p in procs]
+    """Run both ranks of ``suite``; return {rank: saved results}, the outputs and return codes."""
+    return spawn_two_ranks("allreduce_worker.py", suite, tmp_path_factory, SPAWN_TIMEOUT)
 
 
 @pytest.fixture(scope="module")

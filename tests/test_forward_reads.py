@@ -7,6 +7,7 @@ checks that updates really are pending (the tensors its modules hold still diffe
 unpatched weights), so a read that applied nothing would fail.
 """
 
+import contextlib
 import copy
 import io
 import pickle
@@ -44,13 +45,22 @@ def stepped(report):
     return entry
 
 
+@contextlib.contextmanager
+def forward_mode(ap, patched, observe_steps=1):
+    """Mode forward (after ``observe_steps`` watched steps) when ``patched``; unpatched otherwise."""
+    if patched:
+        ap.enable(mode="forward", chunk_bytes=2048, fusion={"observe_steps": observe_steps})
+    try:
+        yield
+    finally:
+        ap.disable()
+
+
 def after_training(ap, read, patched, make=Net, reference=None):
     """Train STEPS steps (patched: in mode forward after one watched step), then return
     ``read(model, opt)`` taken right after the last step()."""
     model = make()
-    if patched:
-        ap.enable(mode="forward", chunk_bytes=2048, fusion={"observe_steps": 1})
-    try:
+    with forward_mode(ap, patched):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         train(model, opt, batches(STEPS))
         if patched:
@@ -62,8 +72,6 @@ def after_training(ap, read, patched, make=Net, reference=None):
             assert entry["fusion"]["deferred_steps"] > 0
             return got
         return read(model, opt)
-    finally:
-        ap.disable()
 
 
 def same_read(ap, read, make=Net):
@@ -191,9 +199,7 @@ def test_checkpoint_resume(ap):
 
     def first_half(patched):
         model = Net()
-        if patched:
-            ap.enable(mode="forward", chunk_bytes=2048, fusion={"observe_steps": 1})
-        try:
+        with forward_mode(ap, patched):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             train(model, opt, data[:STEPS])
             buf = io.BytesIO()
@@ -201,13 +207,9 @@ def test_checkpoint_resume(ap):
             if patched:
                 assert stepped(ap.report())["mode"] == "forward"
             return buf.getvalue()
-        finally:
-            ap.disable()
 
     def second_half(checkpoint, patched):
-        if patched:
-            ap.enable(mode="forward", chunk_bytes=2048, fusion={"observe_steps": 1})
-        try:
+        with forward_mode(ap, patched):
             ckpt = torch.load(io.BytesIO(checkpoint))
             model = Net(seed=7)   # a fresh model, other initial weights
             model.load_state_dict(ckpt["model"])
@@ -216,8 +218,6 @@ def test_checkpoint_resume(ap):
             losses = train(model, opt, data[STEPS:])
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             return losses, flat, flat.sum(), opt.state_dict()
-        finally:
-            ap.disable()
 
     plain_ckpt, forward_ckpt = first_half(False), first_half(True)
     ref = second_half(plain_ckpt, False)
@@ -233,9 +233,7 @@ def test_zero_grad_between_step_and_forward_keeps_updates_deferred(ap):
     updates still run in the next forward, and the results stay those of unpatched."""
     def go(patched):
         model = Net()
-        if patched:
-            ap.enable(mode="forward", chunk_bytes=2048, fusion={"observe_steps": 1})
-        try:
+        with forward_mode(ap, patched):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             losses = []
             for x, y in batches(STEPS):
@@ -246,8 +244,6 @@ def test_zero_grad_between_step_and_forward_keeps_updates_deferred(ap):
                 losses.append(loss.item())
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             return losses, flat, ap.report() if patched else None
-        finally:
-            ap.disable()
     ref, got = go(False), go(True)
     assert_same(ref[0], got[0])
     assert torch.equal(ref[1], got[1])
@@ -262,9 +258,7 @@ def test_held_tensor_read_is_seen_by_the_watch(ap):
     forward is then refused after the watched steps, and results equal unpatched."""
     def go(patched):
         model = Net()
-        if patched:
-            ap.enable(mode="forward", chunk_bytes=2048, fusion={"observe_steps": 2})
-        try:
+        with forward_mode(ap, patched, observe_steps=2):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             weight = model.fc2.weight
             ema = weight.detach().clone()
@@ -278,8 +272,6 @@ def test_held_tensor_read_is_seen_by_the_watch(ap):
                     ema.mul_(0.9).add_(weight, alpha=0.1)
                 losses.append(loss.item())
             return losses, ema, ap.report() if patched else None
-        finally:
-            ap.disable()
     ref, got = go(False), go(True)
     assert_same(ref[0], got[0])
     assert torch.equal(ref[1], got[1])

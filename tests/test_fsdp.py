@@ -7,35 +7,19 @@ optimizer's state, in its DTensor form, must equal unpatched FSDP2's exactly; ch
 between patched and unpatched runs either way.
 """
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import TESTS, clean_env
+from conftest import spawn_two_ranks
 
 SPAWN_TIMEOUT = 240
 FSDP2_PARAMS = 26      # 7 Linears x (weight, bias) + 6 LayerNorms x (weight, bias)
 
 
 def spawn(suite, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(suite)
-    env = clean_env(OMP_NUM_THREADS=1, GLOO_SOCKET_IFNAME="lo")
-    procs = [subprocess.Popen([sys.executable, str(TESTS / "fsdp_worker.py"), suite, str(rank),
-                               str(tmp / "init"), str(tmp / f"rank{rank}.pt")],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=SPAWN_TIMEOUT)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
-    return {r: torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in (0, 1)}, outputs
+    results, outputs, codes = spawn_two_ranks("fsdp_worker.py", suite, tmp_path_factory, SPAWN_TIMEOUT)
+    assert codes == [0, 0], "\n".join(outputs)
+    return results, outputs
 
 
 @pytest.fixture(scope="module")
