@@ -1,6 +1,7 @@
 """autopatch: faster PyTorch training without editing the script.
 
-The whole public face: ``enable``, ``disable``, ``is_enabled``, ``report``, ``flush``.
+The whole public face: ``enable`` (returns the ``Session``), ``session``, ``disable``,
+``is_enabled``, ``report``, ``flush``.
 """
 
 import atexit
@@ -10,52 +11,59 @@ import warnings
 
 from . import env
 
-__all__ = ["enable", "disable", "is_enabled", "report", "flush", "PolicyError", "__version__"]
+__all__ = ["enable", "disable", "session", "is_enabled", "report", "flush", "PolicyError", "__version__"]
 __version__ = "0.1.0"
 
 _lock = threading.RLock()
-_runtime = None        # the active Runtime, or None
-_last = None           # the most recent Runtime, kept for report() after disable()
+_session = None        # the active Session, or None
+_last = None           # the most recent Session, kept for report() after disable()
 _exit = {"registered": False, "summary": False}
 
 
 def enable(policy=None, **overrides):
-    """Enable autopatch for this process.
+    """Enable autopatch for this process and return its ``Session`` (runtime/session.py).
 
     ``policy``: a builtin policy name (``default``, ``safe``, ``multi_layer``, ...) or a YAML path;
     ``None`` uses ``FUSEDOPT_POLICY`` or ``default``. Keyword overrides (``mode=``,
     ``chunk_bytes=``, ``exact=``, ``report=``, ``logdir=``, ``autotune=``, or a section mapping
     such as ``fusion={...}``) win over environment variables, which win over the policy file.
-    Raises ``PolicyError`` for an invalid policy. Calling it again while enabled only warns.
+    Raises ``PolicyError`` for an invalid policy. Calling it again while enabled only warns, and
+    returns the session already open.
     """
-    global _runtime, _last
+    global _session, _last
     import os
     from . import policy as _policy
-    from .runtime import Runtime
+    from .runtime import Session
     with _lock:
-        if _runtime is not None:
-            warnings.warn(f"autopatch is already enabled (policy {_runtime.policy.source}); "
+        if _session is not None:
+            warnings.warn(f"autopatch is already enabled (policy {_session.policy.source}); "
                           "call autopatch.disable() first to change it", RuntimeWarning, stacklevel=2)
-            return
+            return _session
         pol = _policy.load(policy or os.environ.get(env.POLICY) or None,
                            env_overrides=env.policy_overrides(),
                            overrides=_policy.enable_overrides(overrides))
-        rt = Runtime(pol)
-        rt.install()
-        _runtime = _last = rt
+        opened = Session(pol)
+        opened.install()
+        _session = _last = opened
         if not _exit["registered"]:
             atexit.register(_at_exit)
             _exit["registered"] = True
+        return opened
 
 
 def disable():
     """Undo every patch and hook; optimizers go on exactly as unpatched ones. Idempotent."""
-    global _runtime
+    global _session
     with _lock:
-        if _runtime is None:
+        if _session is None:
             return
-        _runtime.uninstall()
-        _runtime = None
+        _session.runtime.uninstall()
+        _session = None
+
+
+def session():
+    """The active ``Session`` (what ``enable()`` returned), or None when autopatch is off."""
+    return _session
 
 
 # Subpackages reachable as attributes (``autopatch.contrib.fuse_optimizer(...)``), imported on
@@ -76,7 +84,7 @@ def __getattr__(name):
 
 
 def is_enabled():
-    return _runtime is not None
+    return _session is not None
 
 
 def flush():
@@ -84,30 +92,31 @@ def flush():
     the next forward; the next step() and torch's ways of reading weights, such as parameters(),
     module attributes, state_dict() and torch.save, apply them by themselves)."""
     with _lock:
-        if _runtime is not None:
-            _runtime.flush()
+        if _session is not None:
+            _session.flush()
 
 
 def report():
     """A JSON-serialisable dict: per optimizer, the mode that ran and why, plus timings."""
-    from .telemetry import build_report
+    from .reporting.json_report import build_report
     with _lock:
-        return build_report(_last, enabled=_runtime is not None)
+        return build_report(_last, enabled=_session is not None)
 
 
 def _at_exit():
-    from .telemetry import summary, write_report
-    rt = _last
-    if rt is None or not rt.controllers:
+    from .reporting.json_report import write_report
+    from .reporting.summary import summary
+    last = _last
+    if last is None or not last.optimizers:
         return   # a launcher (torchrun) or a helper process: no optimizer, nothing to report
     rep = report()
-    if rt.policy.logging.report:
+    if last.policy.logging.report:
         try:
-            path = write_report(rep, rt.policy.logging.report)
+            path = write_report(rep, last.policy.logging.report)
         except OSError as e:
             print(f"autopatch: could not write report: {e}", file=sys.stderr)
         else:
             if path and _exit["summary"]:
                 print(f"autopatch: report written to {path}", file=sys.stderr)
-    if _exit["summary"] and rt.policy.logging.summary:
+    if _exit["summary"] and last.policy.logging.summary:
         print(summary(rep), file=sys.stderr)

@@ -15,14 +15,12 @@ from pathlib import Path
 import yaml
 
 from . import env as _env
+from .vocabulary import COMPRESSIONS, EXACTNESS, OFF, POLICY_MODES, SWITCHABLE_MODES
 
 SCHEMA_VERSION = 1
-MODES = ("off", "auto", "multi_layer", "backward", "forward")
-COMPRESSIONS = ("none", "fp16", "bf16", "minmax_uint8")
-EXACTNESS = ("bitwise", "rounding")
 TUNABLE_KNOBS = ("mode", "chunk_size_2p", "bucket_size_2p", "hierarchical", "compression")
 # Search bounds when the policy gives none: (lo, hi) powers of two, or the list of choices.
-DEFAULT_BOUNDS = {"mode": ("off", "multi_layer", "backward", "forward"), "chunk_size_2p": (14, 26),
+DEFAULT_BOUNDS = {"mode": SWITCHABLE_MODES, "chunk_size_2p": (14, 26),
                   "bucket_size_2p": (10, 31), "hierarchical": (False, True),
                   "compression": COMPRESSIONS}
 
@@ -183,9 +181,9 @@ def _chunk(v):
     return "auto" if v == "auto" else _size(v)
 
 
-def _mode(v):
+def _mode(v, modes=POLICY_MODES):
     # YAML 1.1 reads an unquoted ``mode: off`` as false.
-    return _choice(MODES)("off" if v is False else v)
+    return _choice(modes)(OFF if v is False else v)
 
 
 def _auto_bool(v):
@@ -202,8 +200,7 @@ def _auto_candidates(v):
         v = [v]
     if not isinstance(v, list) or not v:
         raise TypeError("expected auto or a non-empty list of modes")
-    modes = _choice(("off", "multi_layer", "backward", "forward"))
-    return tuple(dict.fromkeys(modes("off" if m is False else m) for m in v))   # YAML 1.1: off is false
+    return tuple(dict.fromkeys(_mode(m, SWITCHABLE_MODES) for m in v))
 
 
 def _knobs(v):
@@ -234,8 +231,7 @@ def _bounds(v):
                 raise ValueError(f"{knob}: lo {lo} is above hi {hi}")
             out.append((knob, (lo, hi)))
         else:
-            modes = _choice(tuple(m for m in MODES if m != "auto"))
-            check = {"mode": lambda x: modes("off" if x is False else x),   # YAML 1.1: off is false
+            check = {"mode": lambda x: _mode(x, SWITCHABLE_MODES),
                      "compression": _choice(COMPRESSIONS)}.get(knob, _typed(bool))
             try:
                 choices = tuple(dict.fromkeys(check(x) for x in b))

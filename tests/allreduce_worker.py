@@ -121,7 +121,7 @@ def equivalence():
         res[f"bucket_{nbytes}"] = job(on(bucket_bytes=nbytes))
 
     def change_buckets(step, net):
-        comm = autopatch._runtime.comm
+        comm = autopatch.session().allreduce
         if step == 0:
             comm.set_bucket_bytes(1024)
         elif step == 2:
@@ -155,7 +155,7 @@ def equivalence():
 
     def shrink_buckets_while_fusing(step, net):
         if step == 4:        # backward fusion has run one step; the next backward uses 1 KiB buckets
-            autopatch._runtime.comm.set_bucket_bytes(1024)
+            autopatch.session().allreduce.set_bucket_bytes(1024)
     res["backward_changing"] = job({"mode": "backward", "allreduce": {"enabled": True}}, optimizer="adam",
                                    steps=7, on_step=shrink_buckets_while_fusing)
     res["ddp_adam_7"] = job(optimizer="adam", steps=7)
@@ -280,7 +280,7 @@ def stall():
     """Last in its spawn: after a timeout the process group is in no state to go on."""
     def only_rank_0_switches(step, net):
         if step == 1 and RANK == 0:
-            autopatch._runtime.comm.set_bucket_bytes(1024)
+            autopatch.session().allreduce.set_bucket_bytes(1024)
     res = {"one_rank_switches": expect_error(lambda: job(on(timeout_seconds=10), model=plain_mlp,
                                                          on_step=only_rank_0_switches))}
     dist.barrier()

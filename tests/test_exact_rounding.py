@@ -6,7 +6,7 @@ import torch
 
 import autopatch
 from autopatch import env, policy
-from autopatch.telemetry import summary
+from autopatch.reporting.summary import summary
 from test_multi_layer import CHUNK, TORCH_OPTIMIZERS, stepped, two_groups
 from training import BertAdam, assert_same, batches, mlp, train, weights
 

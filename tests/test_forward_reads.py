@@ -180,7 +180,7 @@ def test_transformer_reads_out_proj_outside_its_forward(ap):
                 opt.step()
                 losses.append(loss.item())
                 if patched and step == 0:
-                    assert ap._runtime.controllers[-1].set_mode("forward") == "forward"
+                    assert ap.session().optimizers[-1].set_mode("forward") == "forward"
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             if patched:
                 assert stepped(ap.report())["fusion"]["deferred_steps"] > 0

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import autopatch
-from autopatch.telemetry import summary
+from autopatch.reporting.summary import summary
 from training import assert_same, assert_state_equal, batches, mlp, weights
 
 MODES = ["multi_layer", "backward", "forward", "auto"]
@@ -310,7 +310,7 @@ def test_switching_modes_every_few_steps():
     try:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, 3)
-        ctrl = autopatch._runtime.controllers[-1]
+        ctrl = autopatch.session().optimizers[-1]
         losses, seen = [], []
         cycle = ["backward", "forward", "off", "multi_layer"]
         for i in range(8):
@@ -334,7 +334,7 @@ def test_leaving_forward_removes_its_module_hook():
     autopatch.enable(mode="multi_layer", chunk_bytes=2048)
     try:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ctrl = autopatch._runtime.controllers[-1]
+        ctrl = autopatch.session().optimizers[-1]
         for mode in ("forward", "multi_layer", "forward", "off"):
             assert ctrl.set_mode(mode) == mode
             plain(model, opt, batches(2), torch.optim.lr_scheduler.StepLR(opt, 3))

@@ -12,7 +12,7 @@ from torch import nn
 from torch.optim.lr_scheduler import StepLR
 
 import autopatch
-from autopatch import telemetry
+from autopatch.reporting import json_report as telemetry
 from conftest import run_python
 from training import assert_same, assert_state_equal, batches, mlp, train, weights
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from autopatch.fusion.mode_race import SETTLE, ModeRace, WallClock
+from autopatch.modes.race import SETTLE, ModeRace, WallClock
 
 MODES = ["off", "multi_layer", "backward", "forward"]
 

@@ -315,7 +315,7 @@ def test_chunk_size_and_mode_switch_between_steps():
     autopatch.enable(mode="multi_layer", chunk_bytes=CHUNK)
     try:
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        ctrl = autopatch._runtime.controllers[-1]
+        ctrl = autopatch.session().optimizers[-1]
         for i in range(4):
             train(model, opt, data[4 * i:4 * i + 4])
             if i == 0:

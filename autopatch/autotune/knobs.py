@@ -10,17 +10,15 @@ setters.
 
 import math
 
-from ..fusion.chunking import default_chunk_bytes
-from ..step_timer import comm_target
-from .sync import world_size
+from .. import dist
+from ..fusion.chunking import chunk_bytes_for
 
-COMM_SETTERS = {"bucket_size_2p": "set_bucket_bytes", "hierarchical": "set_hierarchical",
-                "compression": "set_compression"}
+COMM_KNOBS = ("bucket_size_2p", "hierarchical", "compression")
 
 
-def choosing_mode(runtime):
+def choosing_mode(session):
     """True while an optimizer is still watching or measuring the run to choose its mode."""
-    return any(c.choosing for c in runtime.controllers)
+    return any(o.choosing for o in session.optimizers)
 
 
 def exponent(nbytes):
@@ -30,11 +28,11 @@ def exponent(nbytes):
 
 
 class RunKnobs:
-    def __init__(self, runtime):
-        self.policy = runtime.policy
-        self.controllers = [c for c in runtime.controllers if c.fusable and c.ref() is not None]
-        self.world = world_size()
-        self.comm = comm_target(runtime) if self.world > 1 else None
+    def __init__(self, session):
+        self.policy = session.policy
+        self.controllers = [o for o in session.optimizers if o.fusable and o.optimizer is not None]
+        self.world = dist.world_size()
+        self.comm = session.allreduce if self.world > 1 else None
         self.applied = {}
         self.ruled_out = {}     # mode -> why the mode knob does not offer it
         self._blocked = self._blocked_now()
@@ -43,16 +41,12 @@ class RunKnobs:
         """Why a knob does not apply to this run, or None when it does."""
         if knob in ("mode", "chunk_size_2p") and not self.controllers:
             return "no optimizer is fused in this run"
-        if knob in COMM_SETTERS:
+        if knob in COMM_KNOBS:
             if self.world == 1:
                 return "single-process run"
-            if not hasattr(self.comm, COMM_SETTERS[knob]) or not self._comm_active():
-                return "no bucketed allreduce with this switch is in charge of this run"
+            if self.comm is None or not self.comm.describe()["active"]:
+                return "no bucketed allreduce is in charge of this run"
         return None
-
-    def _comm_active(self):
-        describe = getattr(self.comm, "describe", None)
-        return describe is None or bool(describe().get("active", True))
 
     def bounds(self):
         """(knob -> bounds for the knobs that apply, knob -> reason for those left out)."""
@@ -73,7 +67,7 @@ class RunKnobs:
 
     def _allowed(self, mode):
         for c in self.controllers:
-            why = c.why_not(c.ref(), mode)
+            why = c.why_not(mode)
             if why:
                 self.ruled_out[mode] = f"{c.qualname}: {why}"
                 return False
@@ -103,15 +97,14 @@ class RunKnobs:
         if "mode" in knobs:
             now["mode"] = self.controllers[0].mode
         if "chunk_size_2p" in knobs:
-            chunk = fusion.chunk_bytes
-            now["chunk_size_2p"] = exponent(default_chunk_bytes(self.controllers[0].ref())
-                                            if chunk == "auto" else chunk)
+            now["chunk_size_2p"] = exponent(chunk_bytes_for(self.controllers[0].optimizer, fusion.chunk_bytes))
+        sync = self.comm or allreduce     # the settings in effect, or the policy's before a takeover
         if "bucket_size_2p" in knobs:
-            now["bucket_size_2p"] = exponent(getattr(self.comm, "bucket_bytes", allreduce.bucket_bytes))
+            now["bucket_size_2p"] = exponent(sync.bucket_bytes)
         if "hierarchical" in knobs:
-            now["hierarchical"] = bool(getattr(self.comm, "hierarchical", allreduce.hierarchical))
+            now["hierarchical"] = bool(sync.hierarchical)
         if "compression" in knobs:
-            now["compression"] = getattr(self.comm, "compression", allreduce.compression)
+            now["compression"] = sync.compression
         self.applied = dict(now)
         return now
 
@@ -129,8 +122,9 @@ class RunKnobs:
                 c.set_mode(changed["mode"])
         if "bucket_size_2p" in changed:
             self.comm.set_bucket_bytes(int(round(2 ** changed["bucket_size_2p"])))
-        for knob in ("hierarchical", "compression"):
-            if knob in changed:
-                getattr(self.comm, COMM_SETTERS[knob])(changed[knob])
+        if "hierarchical" in changed:
+            self.comm.set_hierarchical(changed["hierarchical"])
+        if "compression" in changed:
+            self.comm.set_compression(changed["compression"])
         self.applied.update(changed)
         return sorted({c.mode for c in self.controllers})

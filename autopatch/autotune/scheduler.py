@@ -32,11 +32,11 @@ import sys
 import tempfile
 import time
 
-from ..step_timer import Window
+from .. import dist
+from ..reporting.step_timer import Window
 from . import score
 from .knobs import RunKnobs, choosing_mode
 from .space import Space
-from .sync import agree, is_decider, world_size
 from .trials_log import CsvLog, load_best, save_best
 
 SETTLE = 1
@@ -44,9 +44,9 @@ BEST_NAME = "autotune_best.json"
 
 
 class Autotuner:
-    def __init__(self, runtime, timer, board):
-        self.runtime, self.timer, self.board = runtime, timer, board
-        self.cfg = cfg = runtime.policy.autotune
+    def __init__(self, session, timer, board):
+        self.session, self.timer, self.board = session, timer, board
+        self.cfg = cfg = session.policy.autotune
         self.phase = "warmup"
         self.until = max(1, cfg.warmup_steps)
         self.knobs = self.space = self.tuner = self.csv = None
@@ -63,8 +63,8 @@ class Autotuner:
         self.resume_config = self._load_resume()
         self._acc = timer.accumulator()
         self._step_time = None       # seconds per iteration, last measured: sizes the next trial
-        timer.listeners.append(self._tick)
-        runtime.sections["autotune"] = self.describe
+        self._ticks = timer.subscribe(self._tick)
+        session.add_report_section("autotune", self.describe)
 
     def _load_resume(self):
         path = self.cfg.resume
@@ -107,14 +107,14 @@ class Autotuner:
         a decision: stop searching, keep the best config so far."""
         t0 = time.perf_counter()
         decision = None
-        if is_decider():
+        if dist.is_decider():
             try:
                 decision = decide()
             except Exception as e:
                 decision = {"phase": "frozen", "config": self._fallback(),
                             "trial": self.best["trial"] if self.best else None,
                             "failed": f"{type(e).__name__}: {e}"}
-        self._follow(agree(decision), it)
+        self._follow(dist.agree(decision), it)
         self.decision_seconds += time.perf_counter() - t0
 
     def _window(self, it):
@@ -139,7 +139,7 @@ class Autotuner:
     def _decide(self, it):
         if self.phase == "warmup":
             left = self.cfg.warmup_seconds - (time.perf_counter() - self.started)
-            if left > 0 or choosing_mode(self.runtime):
+            if left > 0 or choosing_mode(self.session):
                 return {"phase": "warmup", "until": it + max(1, math.ceil(left / self._step_seconds()))}
             return self._begin(it)
         if self.phase == "restore":
@@ -154,7 +154,7 @@ class Autotuner:
 
     def _begin(self, it):
         self.search_started = time.perf_counter()
-        self.knobs = RunKnobs(self.runtime)
+        self.knobs = RunKnobs(self.session)
         bounds, self.left_out = self.knobs.bounds()
         if self.knobs.ruled_out:
             self.notes.append("the mode knob leaves out " + "; ".join(
@@ -177,7 +177,7 @@ class Autotuner:
             self.notes.append(f"autotune needs bayesian-optimization (pip install 'autopatch[autotune]'): {e}")
             return {"phase": "frozen", "config": {}}
         batch = self.cfg.batch_size or score.detect_batch_size()
-        self.samples_per_step = batch * world_size() if batch else None
+        self.samples_per_step = batch * dist.world_size() if batch else None
         if self.cfg.log_csv:
             self.csv = CsvLog(self.cfg.log_csv, self.space.names)
         if self.board is not None:
@@ -271,7 +271,7 @@ class Autotuner:
         if self.phase == "warmup" or decision.get("keep"):
             return
         if self.knobs is None:
-            self.knobs = RunKnobs(self.runtime)
+            self.knobs = RunKnobs(self.session)
         if not self.knobs.applied:
             self.knobs.current(decision["config"])
         if self.board is not None:
@@ -296,18 +296,17 @@ class Autotuner:
     def _freeze(self, decision):
         self.search_ended = time.perf_counter()
         self.current = None
-        if self._tick in self.timer.listeners:
-            self.timer.listeners.remove(self._tick)
+        self._ticks.remove()
         if decision.get("failed"):
             self._say_stopped(decision["failed"], decision["config"])
         if self.board is not None:
             self.board.trial = None
-        if not is_decider() or decision["config"] == {}:
+        if not dist.is_decider() or decision["config"] == {}:
             return
         rec = {"config": decision["config"], "trial": decision.get("trial"),
                "score": self.best["score"] if self.best else None, "unit": score.unit(self.samples_per_step),
                "improvement": self._improvement(), "resumed": decision.get("resumed"),
-               "trials": len(self.trials), "policy": self.runtime.policy.source}
+               "trials": len(self.trials), "policy": self.session.policy.source}
         if not decision.get("resumed"):
             self.best_path = self._best_path()
             save_best(self.best_path, rec)
@@ -315,7 +314,7 @@ class Autotuner:
             self.board.frozen({**rec, "best_json": self.best_path})
 
     def _best_path(self):
-        cfg, logdir = self.cfg, self.runtime.policy.logging.tensorboard_dir
+        cfg, logdir = self.cfg, self.session.policy.logging.tensorboard_dir
         return (cfg.save_best or cfg.resume or (os.path.join(logdir, BEST_NAME) if logdir else None)
                 or os.path.join(tempfile.gettempdir(), "autopatch_" + BEST_NAME))
 
@@ -337,15 +336,14 @@ class Autotuner:
             config = None
         self.phase, self.current = "frozen", None
         self.search_ended = time.perf_counter()
-        if self._tick in self.timer.listeners:
-            self.timer.listeners.remove(self._tick)
+        self._ticks.remove()
         self._say_stopped(reason, config)
 
     def _say_stopped(self, reason, config):
         self.failure = reason
         kept = f"keeping {config}" if config else "keeping the config in effect"
         self.notes.append(f"autotune stopped: {reason}; {kept}")
-        if is_decider():
+        if dist.is_decider():
             print(f"autopatch: autotune stopped after {len(self.trials)} trial(s): {reason}; {kept}",
                   file=sys.stderr)
 

@@ -23,7 +23,8 @@ the quantisation chunk (the bucket cut into ``w`` pieces):
 
 import torch
 
-COMPRESSIONS = ("none", "fp16", "bf16", "minmax_uint8")
+from ..vocabulary import COMPRESSIONS
+
 CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 HEADER_BYTES = 8     # a row's float32 min and max, stored after its codes
 

@@ -196,6 +196,11 @@ class DDPTakeover:
     def hierarchical(self):
         return self.options["hierarchical"]
 
+    @property
+    def wait_seconds(self):
+        """Seconds spent waiting for gradient communication so far, over the models in charge."""
+        return float(sum(r.wait_seconds for r in self.reducers.values()))
+
     def set_bucket_bytes(self, nbytes):
         self.options["bucket_bytes"] = int(nbytes)
         for reducer in self.reducers.values():

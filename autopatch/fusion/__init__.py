@@ -1,4 +1,5 @@
-"""Fused optimizer updates: flat buffers, the multi-layer step and the fusability probe.
+"""Fused optimizer updates: flat buffers and their planner, the strategies of every mode (the
+protocol in strategy.py, built by registry.py), the fusability probe and the rounding routes.
 
 Nothing here reads YAML or environment variables: the runtime passes plain arguments.
 """

@@ -30,17 +30,17 @@ import functools
 import torch
 
 from .chunking import BACKWARD_WINDOW
-from .multi_layer import MultiLayerStep
+from .param_swap import ParamSwap
+from .planner import FlatPlanner
 from .rounding import Route
+from .strategy import Strategy
 
 
 class AccumulationError(RuntimeError):
     """A parameter's gradient arrived twice before step(): backward fusion would be wrong."""
 
 
-class BackwardFusion:
-    mode = "backward"
-
+class BackwardFusion(Strategy):
     def __init__(self, optimizer, chunk_bytes, owned_storages=None, averaged_by=None, strict=True,
                  route=None):
         self.opt = optimizer
@@ -49,8 +49,8 @@ class BackwardFusion:
         self.strict = strict
         self.unsafe = None
         self.route = route or Route(optimizer)     # how a chunk is stepped (rounding.py)
-        self.planner = MultiLayerStep(optimizer, min(int(chunk_bytes), BACKWARD_WINDOW), align=True,
-                                      owned_storages=owned_storages)
+        self.planner = FlatPlanner(optimizer, min(int(chunk_bytes), BACKWARD_WINDOW), align=True,
+                                   owned_storages=owned_storages)
         self.averaged_by = averaged_by
         self.hooks = []
         self.scratch = {}      # (dtype, device) -> a buffer of the longest gathered chunk
@@ -61,7 +61,7 @@ class BackwardFusion:
         self.left = []         # this step: chunk index -> parameters still without a final grad
         self.arrived = bytearray()   # this step: slot -> 1 once its gradient is final
         self.stepped = []      # (run, chunk index) updated since the last step()
-        self.swapped = []
+        self.lists = ParamSwap()   # the user's params lists while step() runs the leftovers
         self.armed = False
         self.in_backward = 0   # chunk updates done inside backward
         self.leftover_steps = 0
@@ -156,7 +156,10 @@ class BackwardFusion:
         self.stepped.append((run, ci))
         self.in_backward += 1
 
-    # -- the fusion-mode protocol --------------------------------------------------------------
+    # -- the strategy -------------------------------------------------------------------------
+    def updated_before_step(self):
+        return bool(self.stepped)
+
     def before_step(self, closure):
         if closure is not None:
             raise RuntimeError("autopatch mode 'backward' cannot run a closure-based step(); "
@@ -168,16 +171,13 @@ class BackwardFusion:
             leftovers = [p for run in plan.runs for ci, (i0, i1) in enumerate(run.chunk_spans)
                          if (id(run), ci) not in done for p in run.params[i0:i1] if p.grad is not None]
             if leftovers:
-                self.planner.dirty = True     # their state moves apart from their run's
+                self.planner.mark_stale()     # their state moves apart from their run's
                 self.leftover_steps += 1
-            self.swapped.append((group, group["params"]))
-            group["params"] = plan.rest + leftovers
+            self.lists.put(group, plan.rest + leftovers)
         return None
 
     def after_step(self):
-        for group, params in self.swapped:
-            group["params"] = params
-        self.swapped = []
+        self.lists.restore()
         self.flush()
         if not self.armed or self.planner.needs_plan():
             self._arm()
@@ -193,11 +193,9 @@ class BackwardFusion:
 
     def deactivate(self):
         self.flush()
-        for group, params in self.swapped:
-            group["params"] = params
-        self.swapped = []
+        self.lists.restore()
         self._unhook()
-        self.planner.invalidate()
+        self.planner.mark_stale()
 
     def invalidate(self):
         """Activation, a loaded checkpoint or a new chunk size: re-plan and hook right away,
@@ -206,11 +204,9 @@ class BackwardFusion:
         self._arm()
 
     def set_chunk_bytes(self, chunk_bytes):
-        self.planner.chunk_bytes = min(int(chunk_bytes), BACKWARD_WINDOW)
+        self.planner.set_chunk_bytes(min(int(chunk_bytes), BACKWARD_WINDOW))
         if self.armed:          # an inactive mode keeps no hooks: it re-plans when activated
             self.invalidate()
-        else:
-            self.planner.dirty = True
 
     def describe(self):
         return dict(self.planner.layout(), chunk_updates_in_backward=self.in_backward,

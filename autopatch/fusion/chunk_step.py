@@ -5,6 +5,8 @@ without torch's per-class hook wrapper, so neither autopatch's step hooks nor th
 per chunk; every other param group is emptied for the call, so nothing else moves.
 """
 
+from .param_swap import ParamSwap
+
 
 def raw_step_of(opt):
     """The class's step function under torch's hook wrapper, or None when it is not wrapped."""
@@ -22,12 +24,12 @@ def step_chunks(opt, raw_step, items, hparams=None):
     update must use the learning rate of the step() that recorded it, not a scheduler's newer one.
     """
     groups = opt.param_groups
-    saved_params = [g["params"] for g in groups]
+    swap = ParamSwap()
     saved_hp = {}
     added = [chunk for _, chunk, _ in items if chunk not in opt.state]   # a param keeps its own
     try:
         for g in groups:
-            g["params"] = []
+            swap.put(g, [])
         for gi, chunk, cs in items:
             groups[gi]["params"].append(chunk)
             opt.state[chunk] = cs
@@ -36,8 +38,7 @@ def step_chunks(opt, raw_step, items, hparams=None):
             groups[gi].update(hp)
         raw_step(opt)
     finally:
-        for g, params in zip(groups, saved_params):
-            g["params"] = params
+        swap.restore()
         for gi, hp in saved_hp.items():
             groups[gi].update(hp)
         for chunk in added:

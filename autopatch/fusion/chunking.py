@@ -57,6 +57,11 @@ def default_chunk_bytes(opt):
     return max(256 << 10, l2_bytes())
 
 
+def chunk_bytes_for(opt, setting):
+    """The chunk size a policy's ``fusion.chunk_bytes`` (a byte count, or ``auto``) gives ``opt``."""
+    return default_chunk_bytes(opt) if setting == "auto" else int(setting)
+
+
 def bounded_chunk_bytes(chunk_bytes, fused_bytes):
     """``chunk_bytes``, cut down to the memory bound for an optimizer fusing ``fused_bytes``."""
     return min(int(chunk_bytes), max(MEMORY_FLOOR, fused_bytes // MEMORY_SHARE))

@@ -66,3 +66,8 @@ def is_dtensor(t):
             return False
         _dtensor.append(cls)
     return isinstance(t, _dtensor[0])
+
+
+def holds_dtensors(opt):
+    """True when any parameter of ``opt`` is a DTensor (FSDP2, tensor parallel)."""
+    return any(is_dtensor(p) for g in opt.param_groups for p in g["params"])

@@ -20,26 +20,27 @@ tensor's version counter and is an error, never a silently different result.
 import torch
 
 from .chunk_step import hyperparameters
-from .multi_layer import MultiLayerStep, split_by_grads
+from .multi_layer import split_by_grads
+from .param_swap import ParamSwap
+from .planner import FlatPlanner
 from .rounding import Route
+from .strategy import Strategy
 
 
-class ForwardFusion:
-    mode = "forward"
-
+class ForwardFusion(Strategy):
     def __init__(self, optimizer, chunk_bytes, owned_storages=None, route=None):
         self.opt = optimizer
         self.route = route or Route(optimizer)     # how a chunk is stepped (rounding.py)
-        self.planner = MultiLayerStep(optimizer, chunk_bytes, align=True, owned_storages=owned_storages)
+        self.planner = FlatPlanner(optimizer, chunk_bytes, align=True, owned_storages=owned_storages)
         self.pending = {}      # (id(run), ci) -> (group index, run, ci, version of its grad)
         self.by_param = {}     # id(param) -> (id(run), ci) while its chunk is pending
         self.hparams = {}      # group index -> hyperparameters of the step that recorded
-        self.swapped = []
+        self.lists = ParamSwap()   # the user's params lists while step() runs the rest
         self.deferred = 0
         self.applied_in_forward = 0
         self.fallback_steps = 0
 
-    # -- the fusion-mode protocol --------------------------------------------------------------
+    # -- the strategy -------------------------------------------------------------------------
     def before_step(self, closure):
         if closure is not None:
             raise RuntimeError("autopatch mode 'forward' cannot run a closure-based step(); "
@@ -50,7 +51,7 @@ class ForwardFusion:
         for gi, (plan, group) in enumerate(zip(self.planner.plans, self.opt.param_groups)):
             deferred, now, partial = split_by_grads(plan.runs)
             if partial:
-                self.planner.dirty = True
+                self.planner.mark_stale()
                 self.fallback_steps += partial
             if not deferred:
                 continue
@@ -62,16 +63,13 @@ class ForwardFusion:
                     self.pending[key] = (gi, run, ci, run.chunks[ci].grad._version)
                     for p in run.params[i0:i1]:
                         self.by_param[id(p)] = key
-            self.swapped.append((group, group["params"]))
-            group["params"] = now + plan.rest
-        if self.swapped:
+            self.lists.put(group, now + plan.rest)
+        if self.lists:
             self.deferred += 1
         return None
 
     def after_step(self):
-        for group, params in self.swapped:
-            group["params"] = params
-        self.swapped = []
+        self.lists.restore()
 
     def apply_for(self, module):
         """Module forward pre-hook: apply the pending chunks holding this module's parameters."""
@@ -109,22 +107,24 @@ class ForwardFusion:
             if why:
                 raise RuntimeError(f"autopatch: {type(self.opt).__qualname__}: {why}")
 
-    @property
     def has_pending(self):
         return bool(self.pending)
+
+    def holds_pending(self, param):
+        return id(param) in self.by_param
 
     def deactivate(self):
         self.after_step()
         self.flush()
-        self.planner.invalidate()
+        self.planner.mark_stale()
 
     def invalidate(self):
         self.flush()
-        self.planner.dirty = True
+        self.planner.mark_stale()
 
     def set_chunk_bytes(self, chunk_bytes):
-        self.planner.chunk_bytes = int(chunk_bytes)
-        self.invalidate()
+        self.flush()
+        self.planner.set_chunk_bytes(chunk_bytes)
 
     def describe(self):
         return dict(self.planner.layout(), deferred_steps=self.deferred,

@@ -37,7 +37,8 @@ import weakref
 import torch
 
 from .eligibility import is_dtensor
-from .multi_layer import NotFusable
+from .param_swap import ParamSwap, then
+from .strategy import NotFusable, Strategy
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _MISSING = object()
@@ -67,17 +68,16 @@ class _Shard:
         return self.local is local and self.placements is p.placements and self.ref() is p
 
 
-class LocalShardStep:
-    """Swaps local-shard Parameters into an optimizer around each step (fusion-mode protocol)."""
-
-    mode = "multi_layer"
+class LocalShardStep(Strategy):
+    """Swaps local-shard Parameters into an optimizer around each step (mode multi_layer)."""
 
     def __init__(self, optimizer, chunk_bytes=None):
         self.opt = optimizer
         self.chunk_bytes = chunk_bytes      # unused: kept so a mode switch can hand it on
         self.shards = {}       # id(param) -> _Shard
         self.stepped = {}      # id(param) -> weakref: params the optimizer has stepped on their DTensor
-        self.swapped = []      # (group, the user's params list, [(param, shard, state handed in)])
+        self.lists = ParamSwap()   # the user's params lists while the shards stand in
+        self.handed = []       # (param, its shard, the state handed in) for each swapped param
         self.excluded = {}     # reason -> parameters that stayed on their DTensor at the last step
         self.local_params = 0  # parameters stepped as local shards at the last step
         self.fused_steps = 0
@@ -125,13 +125,13 @@ class LocalShardStep:
 
     # -- the step -------------------------------------------------------------------------------
     def swap_in(self):
-        if self.swapped:
+        if self.lists:
             return
         self.excluded, self.local_params = {}, 0
         with torch.no_grad():       # to_local() outside no_grad records an autograd node
             for group in self.opt.param_groups:
                 self._swap_group(group)
-        if self.swapped:
+        if self.lists:
             self.fused_steps += 1
 
     def _swap_group(self, group):
@@ -161,8 +161,8 @@ class LocalShardStep:
                 handed = {k: _local(v) if is_dtensor(v) else v for k, v in state.items()}
                 state_of[s] = dict(handed)
             done.append((p, shard, handed))
-        group["params"] = swapped
-        self.swapped.append((group, params, done))
+        self.lists.put(group, swapped)
+        self.handed += done
         self.local_params += len(done)
 
     def _stays_on_dtensors(self, params, blocked, ready):
@@ -181,16 +181,15 @@ class LocalShardStep:
 
     def restore(self):
         """Put the DTensors back and carry what the step did to the shards' state over to them."""
-        swapped, self.swapped = self.swapped, []
+        self.lists.restore()
+        done, self.handed = self.handed, []
         failure = None
         with torch.no_grad():
-            for group, params, done in swapped:
-                group["params"] = params
-                for p, shard, handed in done:
-                    shard.shadow.grad = None
-                    state = self.opt.state.pop(shard.shadow, None)
-                    if failure is None and state is not None:
-                        failure = self._carry_back(p, shard, state, handed or {})
+            for p, shard, handed in done:
+                shard.shadow.grad = None
+                state = self.opt.state.pop(shard.shadow, None)
+                if failure is None and state is not None:
+                    failure = self._carry_back(p, shard, state, handed or {})
         if failure:
             raise NotFusable(f"{type(self.opt).__qualname__} cannot step local shards: {failure}")
 
@@ -217,17 +216,12 @@ class LocalShardStep:
             mine[key] = v
         return None
 
-    # -- the protocol every fusion mode follows (see controller.py) ----------------------------
+    # -- the strategy -------------------------------------------------------------------------
     def before_step(self, closure):
         if closure is None:
             self.swap_in()
             return None
-
-        def closure_then_swap():
-            loss = closure()
-            self.swap_in()
-            return loss
-        return closure_then_swap
+        return then(closure, self.swap_in)
 
     def after_step(self):
         self.restore()
@@ -249,9 +243,9 @@ class LocalShardStep:
     def describe(self):
         return {
             "layout": "local_shards",
-            "runs": 0, "chunks": 0, "flat_bytes": 0, "gathered_grad_bytes": 0,
+            "runs": 0, "chunks": 0, "flat_bytes": 0, "gathered_params": 0, "kept_grad_bytes": 0,
             "fused_params": self.local_params,
-            "chunk_bytes": self.chunk_bytes,
+            "chunk_bytes": self.chunk_bytes, "chunk_bytes_requested": self.chunk_bytes, "replans": 0,
             "excluded_params": dict(self.excluded),
             "fused_steps": self.fused_steps,
             "dtensor_group_steps": self.dtensor_group_steps,

@@ -16,7 +16,9 @@ from collections import OrderedDict, defaultdict
 import torch
 
 from .chunk_step import raw_step_of, step_chunks
-from .multi_layer import MultiLayerStep, NotFusable
+from .multi_layer import MultiLayerStep
+from .planner import FlatPlanner
+from .strategy import NotFusable
 
 SHAPES = [(7, 5), (13,), (3, 4, 5), (1,), (33, 2), (4, 4)]
 STEPS = 3
@@ -63,21 +65,22 @@ def _run(opt, params, grads, how, route=None):
     in one step() ("fused", through ``route`` when given), or one chunk per call of the unwrapped
     step ("split")."""
     chunk_bytes = 48 * params[0].element_size()
-    planner = None if how == "plain" else MultiLayerStep(opt, chunk_bytes, align=how == "split", route=route)
     raw = raw_step_of(opt)
     if how == "split" and raw is None:
         raise NotFusable("its step() is not wrapped by torch's Optimizer hooks")
+    fused = MultiLayerStep(opt, chunk_bytes, route=route) if how == "fused" else None
+    planner = FlatPlanner(opt, chunk_bytes, align=True) if how == "split" else None
     for gs in grads:
         for p, g in zip(params, gs):
             p.grad = g.clone()
         if how == "plain":
             opt.step()
         elif how == "fused":
-            planner.before_step(None)
+            fused.before_step(None)
             try:
                 opt.step()
             finally:
-                planner.after_step()
+                fused.after_step()
         else:
             if planner.needs_plan():
                 planner.plan()

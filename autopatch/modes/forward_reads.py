@@ -27,17 +27,48 @@ runs. Mode auto's watch (observe.py) rules mode forward out when the first steps
 import functools
 import threading
 
-import torch
-from torch.compiler import is_compiling
+from ..patching import Ledger
 
 
 class ForwardReads:
-    def __init__(self, fusions, flush):
-        self.fusions = fusions     # the runtime's live set of controllers in mode forward
+    """The module pre-hook and the read patches, installed while some optimizer runs mode forward:
+    no module call or attribute read pays for them otherwise (mode auto tries forward for a few
+    steps while it measures). Built at ``enable()``, which may come before torch is imported:
+    torch is imported only once something runs mode forward."""
+
+    def __init__(self, flush):
+        self.fusions = set()       # the strategies in mode forward
         self.flush = flush         # applies every pending update
         self.local = threading.local()
+        self._ledger = None
 
-    def install(self, ledger):
+    def track(self, strategy):
+        """``strategy`` runs mode forward from now on."""
+        self.fusions.add(strategy)
+        if self._ledger is None:
+            import torch
+            ledger = Ledger()
+            ledger.hold(torch.nn.modules.module.register_module_forward_pre_hook(self._before_module))
+            self._install(ledger)
+            self._ledger = ledger
+
+    def untrack(self, strategy):
+        self.fusions.discard(strategy)
+        if not self.fusions:
+            self.close()
+
+    def close(self):
+        if self._ledger is not None:
+            self._ledger.uninstall()
+            self._ledger = None
+
+    def _before_module(self, module, args):
+        for fusion in self.fusions:
+            if fusion.has_pending():
+                fusion.apply_for(module)
+
+    def _install(self, ledger):
+        import torch
         module, parameter = torch.nn.Module, torch.nn.Parameter
         for owner, name in ((module, "state_dict"), (module, "load_state_dict"), (module, "_apply"),
                             (torch, "save"), (torch.serialization, "save")):
@@ -50,9 +81,9 @@ class ForwardReads:
 
     def fresh(self, param):
         """Apply the pending chunk holding ``param``, in whichever optimizer holds it."""
-        for ctrl in self.fusions:
-            if id(param) in ctrl.strategy.by_param:
-                ctrl.strategy.apply_param(param)
+        for fusion in self.fusions:
+            if fusion.holds_pending(param):
+                fusion.apply_param(param)
 
     def _flush_first(self, wrapped, instance, args, kwargs):
         if self.fusions:
@@ -91,8 +122,9 @@ class ForwardReads:
 
     def _fresh_getattr(self, original):
         """``Module.__getattr__`` runs for every submodule and parameter attribute read, in every
-        forward: a plain function whose only extra work is one dict lookup per optimizer in mode
+        forward: a plain function whose only extra work is one membership test per optimizer in mode
         forward (benchmarks/bench_forward_reads.py measures it)."""
+        from torch.compiler import is_compiling
         fusions = self.fusions
 
         @functools.wraps(original)
@@ -100,8 +132,8 @@ class ForwardReads:
             value = original(module, name)
             # torch.compile traces this function too: applying an update is no graph operation,
             # so nothing is applied while it compiles.
-            for ctrl in fusions:
-                if id(value) in ctrl.strategy.by_param and not is_compiling():
-                    ctrl.strategy.apply_param(value)
+            for fusion in fusions:
+                if fusion.holds_pending(value) and not is_compiling():
+                    fusion.apply_param(value)
             return value
         return __getattr__

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 
-from .telemetry import rank
+from ..dist import rank
 
 JSONL = "autopatch.jsonl"
 SCALAR_PERIOD = 0.5     # seconds of training summarised by one scalar point
@@ -26,7 +26,7 @@ _TAGS = {"step": "step_time_ms", "forward": "forward_time_ms", "backward": "back
 
 
 class Board:
-    def __init__(self, logdir, timer):
+    def __init__(self, logdir, timer, session):
         self.logdir = logdir
         self.timer = timer
         self.trial = None                 # the autotune trial now running, for the scalars
@@ -38,9 +38,8 @@ class Board:
         self._lock = threading.Lock()
         self._mode = None          # the mode the clock optimizer ran in this window
         self._switched = False     # its mode changed: close the window after this iteration
-        timer.listeners.append(self._tick)
-        timer.runtime.switch_listeners.append(self._on_switch)
-        timer.runtime.auto_listeners.append(self.auto_measured)
+        self._subscriptions = [timer.subscribe(self._tick), session.subscribe("switch", self._on_switch),
+                               session.subscribe("auto", self.auto_measured)]
         atexit.register(self.close)
 
     def _writing(self):
@@ -138,9 +137,5 @@ class Board:
             self._writer.close()
             self._jsonl.close()
         self._closed = True
-        if self._tick in self.timer.listeners:
-            self.timer.listeners.remove(self._tick)
-        for listeners, fn in ((self.timer.runtime.switch_listeners, self._on_switch),
-                              (self.timer.runtime.auto_listeners, self.auto_measured)):
-            if fn in listeners:
-                listeners.remove(fn)
+        for subscription in self._subscriptions:
+            subscription.remove()

@@ -2,20 +2,20 @@
 TensorBoard writer (rank 0) and the autotuner. ``attach`` returns the function that takes them down."""
 
 
-def attach(runtime):
-    policy = runtime.policy
+def attach(session):
+    policy = session.policy
     logdir = policy.logging.tensorboard_dir
     if not (policy.autotune.enabled or logdir):
         return lambda: None
-    from .step_timer import StepTimer
-    timer = StepTimer(runtime, breakdown=bool(logdir))
+    from ..reporting.step_timer import StepTimer
+    timer = StepTimer(session, breakdown=bool(logdir))
     board = None
     if logdir:
-        from .tb_writer import Board
-        board = Board(logdir, timer)
+        from ..reporting.tensorboard import Board
+        board = Board(logdir, timer, session)
     if policy.autotune.enabled:
-        from .autotune import Autotuner
-        Autotuner(runtime, timer, board)
+        from ..autotune import Autotuner
+        Autotuner(session, timer, board)
 
     def close():
         if board is not None:

@@ -6,11 +6,15 @@ into forward (first to last module forward), optimizer (the controllers' own ste
 communication wait (when the bucketed allreduce reports one), backward (the rest between the last
 forward and the end of the step, loss included) and other (data loading, logging, zero_grad).
 Forward is seen through torch's global module hooks, installed only when a breakdown is wanted.
+The timer listens to the session's ``step`` event; its own listeners (the TensorBoard writer, the
+autotuner) hear of each finished iteration.
 """
 
 import sys
 import time
 from dataclasses import dataclass, fields
+
+from ..listeners import Listeners
 
 
 @dataclass
@@ -57,29 +61,12 @@ class Accumulator:
         return w
 
 
-def comm_target(runtime):
-    """The bucketed allreduce in charge of this run, if there is one (it has set_bucket_bytes)."""
-    for value in vars(runtime).values():
-        if hasattr(value, "set_bucket_bytes"):
-            return value
-    return None
-
-
-def comm_wait(comm):
-    """Seconds spent waiting for gradient communication so far, summed over its models."""
-    if comm is None:
-        return 0.0
-    if hasattr(comm, "wait_seconds"):
-        return float(comm.wait_seconds)
-    return float(sum(getattr(r, "wait_seconds", 0.0) for r in getattr(comm, "reducers", {}).values()))
-
-
 class StepTimer:
-    def __init__(self, runtime, breakdown):
-        self.runtime = runtime
+    def __init__(self, session, breakdown):
+        self.session = session
         self.clock = None
         self.iteration = 0
-        self.listeners = []        # fn(timer), called after each iteration
+        self._listeners = Listeners()   # fn(timer), called after each iteration
         self.listener_seconds = 0.0
         self._accumulators = []
         self._last_tick = None
@@ -88,7 +75,11 @@ class StepTimer:
         self._fwd_start = self._fwd_end = None
         self._hooks = []
         self._want_breakdown = breakdown
-        runtime.step_listeners.append(self._on_step)
+        self._subscription = session.subscribe("step", self._on_step)
+
+    def subscribe(self, fn):
+        """Call ``fn(timer)`` after each iteration; returns a handle with ``remove()``."""
+        return self._listeners.subscribe(fn)
 
     def accumulator(self):
         acc = Accumulator()
@@ -103,8 +94,9 @@ class StepTimer:
         self._fwd_end = time.perf_counter()
 
     def _totals(self):
-        optimizer = sum(c.step_seconds for c in self.runtime.controllers)
-        return optimizer, comm_wait(comm_target(self.runtime))
+        optimizer = sum(o.step_seconds for o in self.session.optimizers)
+        comm = self.session.allreduce
+        return optimizer, 0.0 if comm is None else comm.wait_seconds
 
     def _on_step(self, ctrl):
         if self.clock is None:
@@ -129,8 +121,7 @@ class StepTimer:
         self._optimizer_total, self._comm_total = optimizer, comm
         self._fwd_start = self._fwd_end = None
         self.iteration += 1
-        for fn in self.listeners:
-            fn(self)
+        self._listeners(self)
         # Time spent by the listeners (switching, logging) is the tuner's cost, not the next step's.
         self._last_tick = time.perf_counter()
         self.listener_seconds += self._last_tick - now
@@ -140,5 +131,4 @@ class StepTimer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self._on_step in self.runtime.step_listeners:
-            self.runtime.step_listeners.remove(self._on_step)
+        self._subscription.remove()

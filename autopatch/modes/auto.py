@@ -1,22 +1,22 @@
 """Mode auto for one optimizer: the modes it may choose, the measurements among them, and what
 they found, for the controller's reasons and the report.
 
-The controller starts a measurement once the watch is over, and again when the run changes (a
+The mode chooser starts a measurement once the watch is over, and again when the run changes (a
 param group added, a state loaded, a mode found unsafe), and calls ``boundary()`` after every step
-while one runs. The measuring itself is ``fusion/mode_race.py``; this module turns policy knobs
-into its plain arguments and its results into words and figures.
+while one runs. The measuring itself is ``race.py``; this module turns policy knobs into its plain
+arguments and its results into words and figures.
 """
 
-from .fusion.mode_race import ModeRace, clock_for
+from ..vocabulary import FUSION_MODES
+from .race import ModeRace, clock_for
 
-FUSED_MODES = ("multi_layer", "backward", "forward")
 MAX_MEASUREMENTS = 4    # per optimizer: the first one and up to three after changes in the run
 
 
 def candidates(fusion):
     """The fused modes auto may choose (``fusion.auto_candidates``); ``off`` always competes."""
     chosen = fusion.auto_candidates
-    return FUSED_MODES if chosen == "auto" else tuple(m for m in FUSED_MODES if m in chosen)
+    return FUSION_MODES if chosen == "auto" else tuple(m for m in FUSION_MODES if m in chosen)
 
 
 def ms(value):

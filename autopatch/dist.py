@@ -1,0 +1,69 @@
+"""torch.distributed as autopatch asks it: world size, rank, and rank 0's word on every rank.
+
+torch.distributed is looked up, never imported: a program that has not imported it runs in one
+process, and ``import autopatch`` stays free of torch.
+"""
+
+import os
+import sys
+
+
+def _initialised():
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist
+    except Exception:     # a half-torn-down process group
+        pass
+    return None
+
+
+def _group():
+    """torch.distributed when this process is one of several, else None."""
+    dist = _initialised()
+    return dist if dist is not None and dist.get_world_size() > 1 else None
+
+
+def world_size():
+    dist = _group()
+    return dist.get_world_size() if dist else 1
+
+
+def rank():
+    """This process's rank: torch.distributed when initialised, else torchrun's RANK, else 0."""
+    dist = _initialised()
+    if dist is not None:
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def is_decider():
+    """Rank 0 decides for everyone (autotune, mode auto); a single process decides for itself."""
+    dist = _group()
+    return dist is None or dist.get_rank() == 0
+
+
+def agree(decision):
+    """Rank 0's ``decision`` (any picklable object) on every rank; other ranks pass None.
+
+    Decisions are taken at steps every rank knows in advance, so this is one more collective in
+    the same order on every rank."""
+    dist = _group()
+    if dist is None:
+        return decision
+    box = [decision]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather(value):
+    """Every rank's ``value`` (any picklable object), in rank order, on every rank."""
+    dist = _group()
+    if dist is None:
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out

@@ -1,0 +1,40 @@
+"""Putting other tensors in place of an optimizer's param lists for one call, and back.
+
+Every fused step works by giving the optimizer's own ``step()`` a different ``params`` list for
+some groups (chunks of flat buffers, local shards, a few chunks at a time) and restoring the
+user's lists afterwards, so that outside ``step()`` the optimizer holds exactly what it holds
+unpatched. This is the one place that saves and restores those lists; restoring runs in reverse
+order, so nested swaps unwind correctly.
+"""
+
+
+class ParamSwap:
+    def __init__(self):
+        self._saved = []      # (group, the params list it held before)
+
+    def put(self, group, params):
+        """Give ``group`` the list ``params`` until ``restore()``."""
+        self._saved.append((group, group["params"]))
+        group["params"] = params
+
+    def remember(self, groups):
+        """Keep every group's current list, to put back at ``restore()`` whatever happens to it."""
+        self._saved.extend((g, g["params"]) for g in groups)
+
+    def restore(self):
+        saved, self._saved = self._saved, []
+        for group, params in reversed(saved):
+            group["params"] = params
+
+    def __bool__(self):
+        return bool(self._saved)
+
+
+def then(closure, after):
+    """A closure that runs the user's ``closure`` (which computes the gradients), then ``after()``,
+    and returns the closure's loss: fusion can only begin once the gradients exist."""
+    def closure_then():
+        loss = closure()
+        after()
+        return loss
+    return closure_then

@@ -1,0 +1,34 @@
+"""The one place that builds a strategy: which class runs a mode for a given optimizer.
+
+An optimizer over DTensors (FSDP2, tensor parallel) steps its plain local shards under
+``multi_layer`` (backward and forward are refused for it before this is asked); every other
+optimizer gets the flat-buffer strategy of its mode.
+"""
+
+from ..vocabulary import BACKWARD, FORWARD, MULTI_LAYER
+from .backward import BackwardFusion
+from .eligibility import holds_dtensors
+from .forward import ForwardFusion
+from .local_shards import LocalShardStep
+from .multi_layer import MultiLayerStep
+
+
+def build(mode, opt, chunk_bytes, *, owned_storages, route, averaged_by=None, strict=False):
+    """The strategy running ``opt`` in ``mode``.
+
+    ``owned_storages``: the optimizer's flat buffers, shared by every mode it runs in, so the next
+    mode adopts the params and state where the last one left them; ``route``: how chunks are
+    stepped (rounding.py); ``averaged_by``: across processes, what tells backward fusion that a
+    bucket's gradients are averaged; ``strict``: backward fusion raises on accumulation (the user
+    named the mode) instead of stepping the rest unfused and saying why.
+    """
+    if mode == MULTI_LAYER:
+        if holds_dtensors(opt):
+            return LocalShardStep(opt, chunk_bytes)
+        return MultiLayerStep(opt, chunk_bytes, owned_storages=owned_storages, route=route)
+    if mode == FORWARD:
+        return ForwardFusion(opt, chunk_bytes, owned_storages=owned_storages, route=route)
+    if mode == BACKWARD:
+        return BackwardFusion(opt, chunk_bytes, owned_storages=owned_storages, averaged_by=averaged_by,
+                              strict=strict, route=route)
+    raise ValueError(f"no strategy runs mode {mode!r}")

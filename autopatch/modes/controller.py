@@ -1,0 +1,145 @@
+"""One optimizer under autopatch: its public handle, composing the rooms that run it.
+
+``interception`` catches its steps, ``eligibility`` says which modes may run it and why not,
+``chooser`` decides the mode at step boundaries, ``active`` holds the strategy of the mode in
+effect. The controller only passes decisions from the chooser to the active mode, and is what
+``autopatch.session().optimizers`` hands out: the mode and its reason, lossless switches
+(``set_mode``, ``set_chunk_bytes``), the report entry.
+"""
+
+import weakref
+
+from ..vocabulary import BACKWARD, OFF
+from . import guard
+from .active import ActiveMode
+from .chooser import ModeChooser
+from .eligibility import Eligibility
+from .interception import StepInterception
+
+LET_GO = "autopatch was disabled"
+
+
+def qualified_name(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class OptimizerController:
+    def __init__(self, opt, policy, events, forward_reads, averaged_by):
+        """``events``: where switches, steps and auto's measurements are announced;
+        ``forward_reads``: mode forward's patches; ``averaged_by(params)``: autopatch's allreduce
+        when it averages all of ``params``' gradients, else None."""
+        self.ref = weakref.ref(opt)
+        self.qualname = qualified_name(type(opt))
+        self.events = events
+        self.params = self._count_params(opt)
+        self.step_mode = OFF          # the mode that ran the last step (a switch may follow it)
+        self.eligibility = Eligibility(self.qualname, policy.fusion, averaged_by)
+        self.chooser = ModeChooser(self.qualname, policy, self.eligibility)
+        self.active = ActiveMode(self.qualname, policy.fusion.chunk_bytes, forward_reads,
+                                 self.eligibility.averager, route_of=lambda: self.chooser.route,
+                                 on_switch=lambda: events.emit("switch", self),
+                                 on_fall_back=lambda: self.chooser.stop("autopatch fell back"))
+        self.interception = StepInterception(opt, self)
+        self._apply(opt, self.chooser.before_any_step())
+
+    @staticmethod
+    def _count_params(opt):
+        return sum(len(g["params"]) for g in opt.param_groups)
+
+    # -- the handle ---------------------------------------------------------------------------------
+    optimizer = property(lambda self: self.ref(), doc="The optimizer, or None once it was freed.")
+    mode = property(lambda self: self.active.mode)
+    reason = property(lambda self: self.active.reason)
+    fusable = property(lambda self: self.eligibility.fusable, doc="The probe accepted its class.")
+    blocked = property(lambda self: dict(self.eligibility.blocked), doc="mode -> why the run rules it out")
+    choosing = property(lambda self: self.chooser.choosing, doc="Still watching or measuring.")
+    steps = property(lambda self: self.interception.steps)
+    step_seconds = property(lambda self: self.interception.step_seconds)
+
+    def why_not(self, mode):
+        """None when this run may use ``mode`` now, else why not."""
+        opt = self.ref()
+        return "the optimizer was freed" if opt is None else self.eligibility.why_not(opt, mode)
+
+    def set_mode(self, mode):
+        """Switch between steps; lossless by construction. Returns the mode in effect: a mode
+        this run showed it cannot use, or the checks reject, is refused and the current one kept."""
+        opt = self.ref()
+        if opt is None or mode == self.mode or self.active.fallen:
+            return self.mode
+        with guard.fallback(self.active, opt, f"switching to {mode}"):
+            if not self.chooser.decided:
+                self._apply(opt, self.chooser.step_begins(opt, None, self.steps, self.mode))
+            if mode != OFF and (mode in self.eligibility.blocked or self.eligibility.check(opt, mode)):
+                return self.mode
+            self.chooser.chosen_by = "autotune"
+            self.active.activate(opt, mode, f"switched to {mode} at run time")
+        return self.mode
+
+    def set_chunk_bytes(self, chunk_bytes):
+        self.active.set_chunk_bytes(chunk_bytes)
+
+    def flush(self):
+        self.active.flush()
+
+    def release(self, reason=None):
+        """Apply anything pending and remove every hook; the optimizer goes on as unpatched.
+        With ``reason``, the report says it runs unpatched and why."""
+        self.chooser.stop(LET_GO)
+        self.active.release(reason)
+        self.interception.remove()
+
+    def describe(self):
+        opt = self.ref()
+        if opt is not None:
+            self.params = self._count_params(opt)
+        out = {"class": self.qualname, "mode": self.mode, "reason": self.reason,
+               "params": self.params, "steps": self.steps, "step_seconds": round(self.step_seconds, 6)}
+        if self.eligibility.bitwise is not None:
+            out["bitwise"] = self.eligibility.bitwise
+        if self.chooser.route is not None:
+            out["route"] = self.chooser.route.describe()
+        fusion = self.active.describe()
+        if fusion is not None:
+            out["fusion"] = fusion
+        out.update(self.chooser.describe())
+        return out
+
+    # -- from the interception ------------------------------------------------------------------------
+    def _apply(self, opt, decision):
+        if decision is None:
+            return
+        if decision.mode == self.mode:
+            self.active.explain(decision.reason)
+        else:
+            self.active.activate(opt, decision.mode, decision.reason, decision.strict)
+        if decision.measured is not None:
+            self.events.emit("auto", self, decision.measured)
+
+    def step_begins(self, opt, closure):
+        with guard.fallback(self.active, opt, "choosing the mode"):
+            self._apply(opt, self.chooser.step_begins(opt, closure, self.steps, self.mode))
+        self.step_mode = self.mode
+        return None if self.active.strategy is None else self.active.before_step(opt, closure)
+
+    def step_ends(self, opt):
+        if self.active.strategy is not None:
+            unsafe, differs = self.active.after_step(opt)
+            if unsafe:
+                self._apply(opt, self.chooser.incident((BACKWARD,), unsafe, self.steps, self.mode, differs))
+        with guard.fallback(self.active, opt, "choosing the mode"):
+            self._apply(opt, self.chooser.step_ends(opt, self.steps, self.mode))
+
+    def step_counted(self):
+        self.events.emit("step", self)
+
+    def step_abandoned(self):
+        self.flush()
+
+    def state_io(self, opt):
+        with guard.fallback(self.active, opt, "flushing"):
+            self.flush()    # before state_dict()/load_state_dict(): nothing pending, nothing swapped
+
+    def state_loaded(self, opt):
+        self.active.invalidate(opt)
+        self.chooser.changed("an optimizer state was loaded", self.steps)

@@ -1,0 +1,97 @@
+"""May mode M run this optimizer, here and now, and if not, why.
+
+Three things can rule a mode out: the optimizer class (the probe steps a throw-away copy over
+small tensors both ways: an update that is not elementwise cannot be fused), the run (what the
+watch over the first steps saw, or what happened later: a closure, accumulation), and the setting
+(DTensor parameters; across processes, backward fusion needs gradients averaged by autopatch's
+allreduce). Every answer is a reason in words, for the report.
+"""
+
+from .. import dist
+from ..fusion.chunk_step import raw_step_of
+from ..fusion.probe import probe
+from ..policy import class_matches
+from ..vocabulary import BACKWARD, MULTI_LAYER, OFF, WATCHED_MODES
+from . import sharded
+
+
+class Eligibility:
+    def __init__(self, qualname, fusion, averaged_by):
+        """``fusion``: the policy's fusion section; ``averaged_by(params)``: what averages all of
+        ``params``' gradients across processes inside backward (autopatch's allreduce), or None."""
+        self.qualname = qualname
+        self.fusion = fusion
+        self._averaged_by = averaged_by
+        self.fusable = False     # the probe accepted the class: its mode may change at run time
+        self.bitwise = None      # the probe found fused steps bit for bit equal (None: not probed)
+        self.watched = False     # the first steps were watched: ``blocked`` is known
+        self.blocked = {}        # mode -> what this run does that the mode would get wrong
+
+    def check(self, opt, mode):
+        """None when ``mode`` cannot change this optimizer's results, else the reason it might."""
+        if why := sharded.mode_refusal(opt, mode):
+            return why
+        if mode in WATCHED_MODES and raw_step_of(opt) is None:
+            return "its step() is not wrapped by torch's Optimizer hooks"
+        if mode == BACKWARD and dist.world_size() > 1 and self.averager(opt) is None:
+            return (f"gradients are averaged across {dist.world_size()} processes, not all of them by "
+                    "autopatch's allreduce (allreduce off, or left to DDP: see the allreduce "
+                    "section); an update inside backward would use the local gradient")
+        if self.unprobed():
+            return None
+        for group in opt.param_groups:
+            result = probe(opt, group, split=mode != MULTI_LAYER)
+            if not result.fusable:
+                return result.reason
+            self.bitwise = result.bitwise if self.bitwise is None else self.bitwise and result.bitwise
+        return sharded.probe_refusal(opt, self.bitwise)
+
+    def why_not(self, opt, mode):
+        """None when this run may use ``mode`` now, else why not: what the watch or the run
+        showed, or what the check found."""
+        if mode == OFF:
+            return None
+        if not self.fusable:
+            return "this optimizer is not fused"
+        if mode in self.blocked:
+            return self.blocked[mode]
+        if mode in WATCHED_MODES and not self.watched:
+            return "the first steps were not watched"
+        return self.check(opt, mode)
+
+    def averager(self, opt):
+        """Across processes, backward fusion updates a chunk once autopatch's allreduce has
+        averaged its gradients: the one averaging all of this optimizer's, or None."""
+        return self._averaged_by([p for g in opt.param_groups for p in g["params"] if p.requires_grad])
+
+    def watched_run(self, observation):
+        """The watch is over: rule out what it saw."""
+        self.watched = True
+        for mode in WATCHED_MODES:
+            if observation.blockers(mode):
+                self.blocked.setdefault(mode, "; ".join(observation.blockers(mode)))
+
+    def block(self, modes, what):
+        """The run just did ``what``, which ``modes`` would get wrong; returns those newly ruled out."""
+        new = [m for m in modes if m not in self.blocked]
+        for m in new:
+            self.blocked[m] = what
+        return new
+
+    def forbidden(self):
+        """The policy never fuses this class (fusion.forbid)."""
+        return class_matches(self.qualname, self.fusion.forbid)
+
+    def unprobed(self):
+        """The policy fuses this class without asking the probe (fusion.force, fusion.probe: false)."""
+        return class_matches(self.qualname, self.fusion.force) or not self.fusion.probe
+
+    def probe_note(self, route):
+        """How far fused steps may be trusted, for the reason in the report."""
+        if self.fusion.exact == "rounding":
+            return route.note()
+        if self.unprobed():
+            return "fused without the probe (fusion.force / fusion.probe: false)"
+        if self.bitwise:
+            return "the probe found fused updates bit-for-bit equal to per-tensor updates"
+        return "the probe found fused updates equal to per-tensor updates within float rounding"

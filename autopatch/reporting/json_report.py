@@ -1,0 +1,51 @@
+"""The run report: one JSON-serialisable dict, and the file ``FUSEDOPT_REPORT`` names."""
+
+import json
+import os
+import time
+
+from .. import dist
+
+REPORT_VERSION = 1
+
+
+def build_report(session, enabled):
+    """``session``: the one open (or last open); per optimizer, the mode that ran and why, the
+    run's timing, and every section the rooms added (allreduce, autotune, ...)."""
+    if session is None:
+        return {"version": REPORT_VERSION, "enabled": False, "policy": None, "optimizers": [],
+                "timing": {}}
+    optimizers = [o.describe() for o in session.optimizers]
+    return {
+        "version": REPORT_VERSION,
+        "enabled": enabled,
+        "policy": session.policy.source,
+        "rank": dist.rank(),
+        "optimizers": optimizers,
+        "timing": {
+            "wall_seconds": round(time.perf_counter() - session.started, 6),
+            "optimizer_step_seconds": round(sum(o["step_seconds"] for o in optimizers), 6),
+            "steps": sum(o["steps"] for o in optimizers),
+        },
+        **session.runtime.sections.describe(),
+    }
+
+
+def report_path(template):
+    """``{rank}`` in the path is this process's rank; without it only rank 0 writes."""
+    r = dist.rank()
+    if "{rank}" in template:
+        return template.replace("{rank}", str(r))
+    return template if r == 0 else None
+
+
+def write_report(report, template):
+    path = report_path(template)
+    if path is None:
+        return None
+    d = os.path.dirname(path)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    return path

@@ -1,0 +1,23 @@
+"""What an enabled autopatch announces; each subscriber gets a handle that removes it.
+
+- ``step``: an optimizer finished a step (``fn(optimizer_handle)``), after its time was counted;
+- ``switch``: an optimizer's mode changed (``fn(optimizer_handle)``);
+- ``auto``: mode auto finished a measurement (``fn(optimizer_handle, figures)``).
+"""
+
+from ..listeners import Listeners
+
+NAMES = ("step", "switch", "auto")
+
+
+class Events:
+    def __init__(self):
+        self._listeners = {name: Listeners() for name in NAMES}
+
+    def subscribe(self, name, fn):
+        if name not in self._listeners:
+            raise ValueError(f"unknown event {name!r}; expected one of {', '.join(NAMES)}")
+        return self._listeners[name].subscribe(fn)
+
+    def emit(self, name, *args):
+        self._listeners[name](*args)

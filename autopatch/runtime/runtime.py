@@ -1,0 +1,136 @@
+"""The running state of an enabled autopatch: its policy, its patches and its optimizers.
+
+Optimizers are adopted when constructed (a wrapper around ``Optimizer.__init__``) and, for those
+built before ``enable()``, by a one-time scan of live objects. torch itself is never imported
+early: when it is not loaded yet, the patch waits for ``torch.optim`` to be imported. The same
+goes for DistributedDataParallel, whose gradient sync the comm room takes over.
+"""
+
+import gc
+import sys
+import time
+
+import wrapt
+
+from ..patching import Ledger
+from ..reporting.sections import ReportSections
+from .events import Events
+
+
+class Runtime:
+    def __init__(self, policy):
+        from ..modes.forward_reads import ForwardReads
+        self.policy = policy
+        self.ledger = Ledger()
+        self.controllers = []
+        self.events = Events()
+        self.forward_reads = ForwardReads(self.flush)   # mode forward's patches, while it runs
+        self.sections = ReportSections()
+        self.active = False
+        self.started = time.perf_counter()
+        self.comm = None   # the DDP takeover (comm/), once DistributedDataParallel is imported
+        self._optimizers_patched = False
+        self._by_id = {}
+        self._detach = lambda: None
+        self.sections.add("allreduce", self._describe_collectives)
+        self.sections.add("autotune", lambda: {
+            "active": False, "reason": "autotune is not available in this version"
+            if policy.autotune.enabled else "autotune.enabled is false"})
+
+    def install(self, session):
+        from .monitors import attach
+        self.active = True
+        self._detach = attach(session)   # step timer, TensorBoard, autotune: only when asked
+        self._when_imported("torch.optim", self._patch_torch)
+        if self.policy.allreduce.enabled is not False:
+            self._when_imported("torch.nn.parallel.distributed", self._take_over_ddp)
+
+    def _when_imported(self, name, patch):
+        """``patch(module)`` now if ``name`` is imported, else right after its import."""
+        if name in sys.modules:
+            patch(sys.modules[name])
+            return
+
+        def hook(module):
+            if self.active:   # wrapt hooks cannot be unregistered: a disabled runtime ignores it
+                patch(module)
+        wrapt.register_post_import_hook(hook, name)
+
+    def _patch_torch(self, optim):
+        if self._optimizers_patched:
+            return
+        self._optimizers_patched = True
+        self.ledger.wrap(optim.Optimizer, "__init__", self._after_init)
+        gc.collect()   # adopt live optimizers only, not garbage awaiting collection
+        for obj in gc.get_objects():
+            if issubclass(type(obj), optim.Optimizer) and not self._is_wrapper(obj, optim.Optimizer):
+                self.adopt(obj)
+
+    @staticmethod
+    def _is_wrapper(obj, optimizer_cls):
+        """Wrappers such as accelerate's AcceleratedOptimizer (never ran Optimizer.__init__) or
+        Lightning's LightningOptimizer (copies the wrapped optimizer's __dict__, hook dicts
+        included) step the optimizer they wrap, which is adopted by itself."""
+        return (not hasattr(obj, "_optimizer_step_pre_hooks")
+                or isinstance(getattr(obj, "_optimizer", None), optimizer_cls))
+
+    def _take_over_ddp(self, module):
+        """DDP models built from now on (and live ones) get autopatch's bucketed allreduce."""
+        from ..comm.takeover import DDPTakeover
+        if self.comm is not None:
+            return
+        ar = self.policy.allreduce
+        self.comm = DDPTakeover(bucket_bytes=ar.bucket_bytes, compression=ar.compression,
+                                hierarchical=ar.hierarchical, timeout_seconds=ar.timeout_seconds,
+                                warn=ar.enabled is True)
+        self.comm.install(module)
+
+    def averaged_by(self, params):
+        """The allreduce that averages the gradients of every one of ``params`` inside backward,
+        or None (backward fusion across processes waits for it)."""
+        comm = self.comm
+        return comm if comm is not None and comm.averages(params) else None
+
+    def _describe_collectives(self):
+        """The allreduce section; with sharded parameters it says their collectives stay FSDP's."""
+        from ..reporting.collectives import note_collectives
+        if self.comm is not None:
+            section = self.comm.describe()
+        elif self.policy.allreduce.enabled is False:
+            section = {"active": False, "reason": "allreduce.enabled is false"}
+        else:
+            section = {"active": False, "reason": "DistributedDataParallel was never imported"}
+        return note_collectives(section, [o for o in (c.optimizer for c in self.controllers) if o is not None])
+
+    def _after_init(self, wrapped, instance, args, kwargs):
+        wrapped(*args, **kwargs)
+        self.adopt(instance)
+
+    def adopt(self, opt):
+        """Put ``opt`` under autopatch (once); returns its handle."""
+        from ..modes.controller import OptimizerController
+        ctrl = self.controller_of(opt)
+        if ctrl is None:
+            ctrl = OptimizerController(opt, self.policy, self.events, self.forward_reads, self.averaged_by)
+            self._by_id[id(opt)] = ctrl
+            self.controllers.append(ctrl)
+        return ctrl
+
+    def controller_of(self, opt):
+        ctrl = self._by_id.get(id(opt))
+        return ctrl if ctrl is not None and ctrl.optimizer is opt else None
+
+    def flush(self):
+        """Apply every deferred update now (mode forward); harmless in other modes."""
+        for ctrl in self.controllers:
+            ctrl.flush()
+
+    def uninstall(self):
+        self.active = False
+        self._detach()
+        if self.comm is not None:
+            self.comm.remove()
+        for ctrl in self.controllers:
+            ctrl.release()
+        self.forward_reads.close()
+        self.ledger.uninstall()

@@ -1,0 +1,63 @@
+"""The session an ``autopatch.enable()`` call opens: the public seam into a running autopatch.
+
+What other code may use, and nothing else: the optimizers' handles (their mode and reason,
+lossless switches of mode and chunk size, their report entries), the knobs of the gradient sync
+when autopatch runs it, the events (``step``, ``switch``, ``auto``) with removable handles, report
+sections, and the report itself. Autotune, ``autopatch.contrib``, the integrations, the tests and
+the benchmarks all go through it.
+"""
+
+from .runtime import Runtime
+
+
+class Session:
+    def __init__(self, policy):
+        self.runtime = Runtime(policy)
+        self.policy = policy
+
+    def install(self):
+        self.runtime.install(self)
+
+    @property
+    def optimizers(self):
+        """Every optimizer's handle (modes/controller.py), in the order they were adopted."""
+        return list(self.runtime.controllers)
+
+    def optimizer(self, opt):
+        """The handle of ``opt``; KeyError when autopatch has not adopted it."""
+        ctrl = self.runtime.controller_of(opt)
+        if ctrl is None:
+            raise KeyError(f"{type(opt).__qualname__} at {id(opt):#x} is not adopted by autopatch")
+        return ctrl
+
+    def leave(self, opt, reason):
+        """Take autopatch's hooks off ``opt`` for good: it runs unpatched, and the report says
+        ``reason`` (``autopatch.contrib.fuse_optimizer`` takes an optimizer over this way)."""
+        ctrl = self.runtime.controller_of(opt)
+        if ctrl is not None:
+            ctrl.release(reason)
+
+    @property
+    def allreduce(self):
+        """The DDP takeover's knobs (``set_bucket_bytes``, ``set_compression``,
+        ``set_hierarchical``), or None when DistributedDataParallel was never taken over."""
+        return self.runtime.comm
+
+    def subscribe(self, event, fn):
+        """Call ``fn`` on every ``event`` (runtime/events.py); returns a handle with ``remove()``."""
+        return self.runtime.events.subscribe(event, fn)
+
+    def add_report_section(self, name, describe):
+        """The report gains section ``name`` (``describe()`` returns it); returns a handle."""
+        return self.runtime.sections.add(name, describe)
+
+    def flush(self):
+        self.runtime.flush()
+
+    def report(self, enabled=True):
+        from ..reporting.json_report import build_report
+        return build_report(self, enabled)
+
+    @property
+    def started(self):
+        return self.runtime.started
