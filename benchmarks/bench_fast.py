@@ -32,7 +32,7 @@ import torch
 from autopatch import policy as ap_policy
 
 from harness.alternation import quartiles, round_ratios, turns
-from harness.machine import autopatch_source, cpu_model, load_average
+from harness.machine import load_average, summary
 from harness.own_runtime import adopt_alone, auto_has_chosen
 from harness.report import markdown
 from harness.steps import Contender
@@ -135,8 +135,8 @@ def main():
         rows.append([c.name, f"{1e3 * statistics.median(medians(c)):.2f}",
                      f"{1e3 * statistics.median(medians(c, 'step')):.2f}", f"{ratios[c.name]:.3f}",
                      f"{lo:.3f}-{hi:.3f}", note])
-    print(f"## policy fast on the CPU transformer (4 x d128, AdamW, batch 8 x 32)\n")
-    print(f"- {cpu_model()}, torch {torch.__version__}, {args.threads} thread(s); {autopatch_source()}")
+    print("## policy fast on the CPU transformer (4 x d128, AdamW, batch 8 x 32)\n")
+    print(f"- {summary()}")
     print(f"- {warm} warm-up steps each ({warm_s:.0f} s), then {args.rounds} rounds x {args.steps} "
           f"steps; load average at end {load_average()}; total {time.perf_counter() - started:.0f} s\n")
     print(markdown(["contender", "step ms (median)", "in opt.step() ms", "x unpatched (median of rounds)",

@@ -3,7 +3,10 @@
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
+
+import torch
 
 import autopatch
 
@@ -34,3 +37,10 @@ def autopatch_source():
 
 def load_average(sep=" ", digits=2):
     return sep.join(f"{x:.{digits}f}" for x in os.getloadavg())
+
+
+def summary():
+    """One line: when, the CPU, torch and its threads, Python, the autopatch under test, the load."""
+    return (f"{time.strftime('%Y-%m-%d %H:%M %Z')}; {os.cpu_count()} x {cpu_model()}; torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), python {platform.python_version()}; {autopatch_source()}; "
+            f"load average {load_average()}")
