@@ -66,8 +66,12 @@ class Worker:
             raise WorkerError(msg["error"])
         return msg
 
-    def ask(self, cmd, arg=None):
+    def send(self, cmd, arg=None):
+        """Ask without waiting (several workers then work at once); answer() collects."""
         self.conn.send((cmd, arg))
+
+    def ask(self, cmd, arg=None):
+        self.send(cmd, arg)
         return self.answer()
 
     def close(self):

@@ -10,21 +10,23 @@ def local(t):
 
 
 def _flat_state(state):
-    """(name, tensor or value) pairs of a model + optimizer state; model entries first."""
-    out = [(f"model.{k}", v) for k, v in state["model"].items()]
+    """name -> tensor or value of a model + optimizer state."""
+    out = {f"model.{k}": v for k, v in state["model"].items()}
     for pid, st in state["optimizer"]["state"].items():
-        out += [(f"optimizer.state[{pid}].{k}", v) for k, v in st.items()]
+        out.update((f"optimizer.state[{pid}].{k}", v) for k, v in st.items())
     return out
 
 
 def compare_states(a, b):
     """(equal bit for bit, largest absolute difference in the model's weights and buffers) of two
-    ``{"model": state_dict, "optimizer": state_dict}``; tensors are compared on ``a``'s device."""
+    ``{"model": state_dict, "optimizer": state_dict}``; tensors are compared on ``a``'s device.
+    Entries are matched by name: an optimizer may create its per-parameter state in any order."""
     a, b = _flat_state(a), _flat_state(b)
-    if [k for k, _ in a] != [k for k, _ in b]:
+    if a.keys() != b.keys():
         raise ValueError("the model or optimizer state has different entries")
     equal, worst = True, 0.0
-    for (key, va), (_, vb) in zip(a, b):
+    for key, va in a.items():
+        vb = b[key]
         if not isinstance(va, torch.Tensor):
             equal = equal and va == vb
             continue
