@@ -17,10 +17,11 @@ ROOT = TESTS.parent
 
 
 def clean_env(**extra):
-    """This environment without FUSEDOPT_* or launcher variables; ``training`` importable."""
+    """This environment without FUSEDOPT_* or launcher variables; ``training`` (and the benchmark
+    harness it takes BertAdam from) importable."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("FUSEDOPT_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = str(TESTS)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT / "benchmarks")])
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
