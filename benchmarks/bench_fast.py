@@ -32,7 +32,7 @@ import torch
 from autopatch import policy as ap_policy
 
 from harness.alternation import quartiles, round_ratios, turns
-from harness.machine import load_average, summary
+from harness.machine import closing, summary
 from harness.own_runtime import adopt_alone, auto_has_chosen
 from harness.report import markdown
 from harness.steps import Contender
@@ -138,7 +138,7 @@ def main():
     print("## policy fast on the CPU transformer (4 x d128, AdamW, batch 8 x 32)\n")
     print(f"- {summary()}")
     print(f"- {warm} warm-up steps each ({warm_s:.0f} s), then {args.rounds} rounds x {args.steps} "
-          f"steps; load average at end {load_average()}; total {time.perf_counter() - started:.0f} s\n")
+          f"steps; {closing(started)}\n")
     print(markdown(["contender", "step ms (median)", "in opt.step() ms", "x unpatched (median of rounds)",
                     "quartiles", "notes"], rows))
     best = min((n for n in ratios if n.startswith("autopatch fast")), key=ratios.get)

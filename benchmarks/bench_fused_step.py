@@ -23,7 +23,7 @@ import torch
 
 from autopatch.fusion.chunking import default_chunk_bytes
 from harness.alternation import turns
-from harness.machine import load_average, summary
+from harness.machine import closing, load_average, summary
 from harness.optimizers import BertAdam
 from harness.own_runtime import adopt_alone, assert_fused
 from harness.report import markdown
@@ -360,10 +360,6 @@ def targets(verdict):
     return lines
 
 
-def load():
-    return load_average("/", 1)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, help="rounds of alternation (default 5, quick 3)")
@@ -387,7 +383,7 @@ def main():
     started = time.perf_counter()
     print(f"# bench_fused_step: {summary()}")
     print(f"rounds {args.rounds} x steps {args.steps} (+{args.warmup} warm-up steps), medians over "
-          f"{args.rounds * args.steps} steps; load average at start {load()}\n")
+          f"{args.rounds * args.steps} steps; load average at start {load_average('/', 1)}\n")
     header, rows, verdict, notes = main_table(args)
     print(markdown(header, rows))
     print()
@@ -412,7 +408,7 @@ def main():
             print(f"- {b}")
     print(f"\nEvery autopatch contender was checked after its last timed step: bitwise ones, "
           f"weights and optimizer state bit-for-bit equal to unpatched; exact: rounding, see its note. "
-          f"Load average at end {load()}; total {time.perf_counter() - started:.0f} s.")
+          f"{closing(started).capitalize()}.")
 
 
 if __name__ == "__main__":

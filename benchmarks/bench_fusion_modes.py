@@ -48,7 +48,7 @@ import torch
 
 import autopatch
 from harness.alternation import median_ms, quartiles, round_ratios, turns
-from harness.machine import load_average, summary
+from harness.machine import closing, summary
 from harness.memory import peak_memory_bytes, pin_mmap_threshold, reset_peak_memory
 from harness.optimizers import BertAdam
 from harness.own_runtime import auto_has_chosen
@@ -456,8 +456,7 @@ def main():
         plot(results, args.plot, args.clock)
         print(f"\nPlot: {args.plot}")
     print(f"All autopatch contenders ended bit-for-bit equal to unpatched (model and optimizer state). "
-          f"Total {time.perf_counter() - started:.0f} s; load average at the end "
-          f"{load_average()}.")
+          f"{closing(started).capitalize()}.")
 
 
 if __name__ == "__main__":

@@ -44,3 +44,8 @@ def summary():
     return (f"{time.strftime('%Y-%m-%d %H:%M %Z')}; {os.cpu_count()} x {cpu_model()}; torch {torch.__version__} "
             f"({torch.get_num_threads()} threads), python {platform.python_version()}; {autopatch_source()}; "
             f"load average {load_average()}")
+
+
+def closing(started):
+    """The end of a run: how long it took since ``started`` (``time.perf_counter()``), and the load."""
+    return f"total {time.perf_counter() - started:.0f} s; load average at the end {load_average()}"
