@@ -20,8 +20,8 @@ The rank side::
 Every rank runs in a process group of its own; once one rank fails the others are killed (they
 would wait for it in their next collective), and ranks still running at ``timeout`` (seconds, for
 all of them together) are killed with their children, so a hung collective never hangs the caller.
-``prefix`` runs each rank under another command (``netns.run_ranks_shaped`` passes
-``ip netns exec NAME``).
+``where(rank)`` may place each rank elsewhere: it returns a command to run it under and
+environment variables to set (``netns.run_ranks_shaped`` runs ranks under ``ip netns exec``).
 """
 
 import datetime
@@ -64,7 +64,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_ranks(argv, world_size, *, env=None, timeout=600, prefix=(), port=None):
+def run_ranks(argv, world_size, *, env=None, timeout=600, where=None, port=None):
     """Start ``world_size`` ranks of ``python *argv``, wait for them (``timeout`` seconds in all),
     and return one RankResult per rank, in rank order."""
     tmp = Path(tempfile.mkdtemp(prefix="ranks_"))
@@ -74,8 +74,9 @@ def run_ranks(argv, world_size, *, env=None, timeout=600, prefix=(), port=None):
     procs = []
     try:
         for rank in range(world_size):
+            prefix, placed = where(rank) if where else ((), {})
             rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank),
-                            **{RESULTS_VARIABLE: str(tmp / f"rank{rank}.json")})
+                            **{RESULTS_VARIABLE: str(tmp / f"rank{rank}.json")}, **placed)
             with open(tmp / f"rank{rank}.out", "w") as out, open(tmp / f"rank{rank}.err", "w") as err:
                 procs.append(subprocess.Popen([*prefix, sys.executable, *map(str, argv)], env=rank_env,
                                               stdout=out, stderr=err, start_new_session=True))
@@ -132,8 +133,12 @@ def failed(ranks):
     bad = [r for r in ranks if r.returncode != 0]
     if not bad:
         return None
-    return "\n".join(f"rank {r.rank}: " + ("timed out, killed" if r.timed_out else f"exit code {r.returncode}")
-                     + "\n" + "\n".join((r.stderr or r.stdout).strip().splitlines()[-30:]) for r in bad)
+    def ended(r):
+        if r.timed_out:
+            return "timed out, killed"
+        return "killed after another rank failed" if r.returncode == -signal.SIGKILL else f"exit code {r.returncode}"
+    return "\n".join(f"rank {r.rank}: {ended(r)}\n" + "\n".join((r.stderr or r.stdout).strip().splitlines()[-30:])
+                     for r in bad)
 
 
 # -- the rank's side ------------------------------------------------------------------------------
