@@ -47,12 +47,12 @@ from pathlib import Path
 import torch
 
 import autopatch
-from harness.alternation import median_ms, quartiles, round_ratios, turns
+from harness.alternation import median_ms, quartiles, round_ratios
 from harness.machine import closing, summary
 from harness.memory import peak_memory_bytes, pin_mmap_threshold, reset_peak_memory
 from harness.optimizers import BertAdam
 from harness.own_runtime import auto_has_chosen
-from harness.processes import Worker, serve
+from harness.processes import Worker, in_turns, serve
 from harness.report import markdown
 from harness.states import compare_states
 from harness.steps import train_step
@@ -191,7 +191,7 @@ def run_workload(ctx, key, args, tmp, memory=False):
     rounds, steps = (1, args.memory_steps) if memory else (args.rounds, args.steps)
     names = [c for c in CONTENDERS if available(key, c) is None]
     workers = {c: Worker(ctx, serve, Job, key, c, opts, timeout=TIMEOUT) for c in names}
-    runs = {c: {"info": w.answer(), "rounds": [], "state": None if memory else os.path.join(tmp, f"{key}-{c}.pt")}
+    runs = {c: {"info": w.answer(), "state": None if memory else os.path.join(tmp, f"{key}-{c}.pt")}
             for c, w in workers.items()}
     # Mode auto warms up alone: it measures; then it says how many steps the others take.
     runs["auto"]["info"].update(workers["auto"].ask("warmup"))
@@ -200,8 +200,8 @@ def run_workload(ctx, key, args, tmp, memory=False):
         workers[c].send("warmup", runs["auto"]["info"]["warmup_steps"])
     for c in others:
         runs[c]["info"].update(workers[c].answer())
-    for _, c in turns(workers, rounds):
-        runs[c]["rounds"].append(workers[c].ask("run", steps))
+    for c, got in in_turns(workers, rounds, "run", steps).items():
+        runs[c]["rounds"] = got
     for c, w in workers.items():
         runs[c]["info"].update(w.ask("finish", runs[c]["state"]))
         w.close()

@@ -30,9 +30,8 @@ import torch
 from torch import nn
 
 import autopatch
-from harness.alternation import turns
 from harness.machine import load_average, summary
-from harness.processes import Worker, serve
+from harness.processes import Worker, in_turns, serve
 from harness.report import markdown
 
 CONTENDERS = ("unpatched", "empty hook", "backward")
@@ -91,9 +90,8 @@ def main():
     for w in workers.values():
         w.answer()
     load0 = load_average()
-    per_round = {name: [] for name in CONTENDERS}
-    for _, name in turns(workers, args.rounds):
-        per_round[name].append(statistics.median(workers[name].ask("run", args.steps)))
+    per_round = {name: [statistics.median(times) for times in rounds]
+                 for name, rounds in in_turns(workers, args.rounds, "run", args.steps).items()}
     info = {}
     for name, w in workers.items():
         info[name] = w.ask("finish")

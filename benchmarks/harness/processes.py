@@ -2,13 +2,12 @@
 watch) can never slow another, and each process's peak memory is its own.
 
 Start every process before the parent does tensor work (a forked child inherits the parent's
-threads and allocator), then drive them with ``alternation.turns``::
+threads and allocator), then let them take turns::
 
     ctx = multiprocessing.get_context("fork")        # or torch.multiprocessing's, "forkserver"
     workers = {name: Worker(ctx, serve, Job, name, timeout=600) for name in names}
     hello = {name: w.answer() for name, w in workers.items()}
-    for _, name in turns(workers, rounds):
-        figures[name].append(workers[name].ask("run", steps))
+    figures = in_turns(workers, rounds, "run", steps)  # name -> [Job.run(steps) per round]
     final = {name: w.ask("finish") for name, w in workers.items()}
 
 ``serve`` builds ``Job(*args)`` in the child, sends its ``hello()``, then answers each
@@ -17,6 +16,8 @@ time limit; a child that fails sends its traceback, raised in the parent as Work
 """
 
 import traceback
+
+from .alternation import turns
 
 
 class Skip(Exception):
@@ -79,3 +80,12 @@ class Worker:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
+
+
+def in_turns(workers, rounds, cmd, arg=None):
+    """Round by round, each of ``workers`` (name -> Worker) in rotating order answers
+    ``ask(cmd, arg)``; returns name -> [its answer per round]."""
+    got = {name: [] for name in workers}
+    for _, name in turns(workers, rounds):
+        got[name].append(workers[name].ask(cmd, arg))
+    return got
