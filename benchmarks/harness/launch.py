@@ -70,7 +70,7 @@ def run_ranks(argv, world_size, *, env=None, timeout=600, where=None, port=None)
     tmp = Path(tempfile.mkdtemp(prefix="ranks_"))
     base = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port or free_port(), WORLD_SIZE=world_size,
                      GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS=1)
-    base.update(env or {})
+    base.update({k: str(v) for k, v in (env or {}).items()})
     procs = []
     try:
         for rank in range(world_size):
