@@ -16,13 +16,13 @@ and bytes sent per step per rank, measured from ``/proc/self/io`` (Linux counts 
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+
+from harness import launch
+from harness.alternation import turns
 
 MiB = 2**20
 
@@ -52,18 +52,16 @@ def worker(args):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import autopatch
+    from harness.workloads import stack
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank, world_size=2)
+    rank = launch.init_rank()
 
     def build():
         torch.manual_seed(0)
-        layers = []
-        for _ in range(args.depth):
-            layers += [nn.Linear(args.width, args.width), nn.ReLU()]
-        return nn.Sequential(*layers, nn.Linear(args.width, 10))
+        return stack(args.width, args.depth, head=10)
 
-    g = torch.Generator().manual_seed(args.rank)
+    g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
     runs = contenders(args.quick)
     models = {}
@@ -83,37 +81,35 @@ def worker(args):
     times = {name: [] for name, _, _ in runs}
     waits = {name: [] for name, _, _ in runs}
     sent = {name: [] for name, _, _ in runs}
-    for rnd in range(args.rounds):
-        shift = rnd % len(runs)
-        for name, kind, arg in runs[shift:] + runs[:shift]:
-            warmup = args.warmup
+    for _, (name, kind, arg) in turns(runs, args.rounds):
+        warmup = args.warmup
+        if kind == "autopatch":
+            settings = dict(arg)
+            mode = settings.pop("mode", "off")
+            autopatch.enable(mode=mode, fusion={"observe_steps": 1}, allreduce=dict({"enabled": True}, **settings))
+            warmup += 2 if mode != "off" else 0   # backward starts after 1 watched step
+        model = models.get(name, shared)
+        opt = opts.get(name, opts["shared"])
+        try:
+            for _ in range(warmup):
+                step(model, opt, kind != "no_sync")
+            dist.barrier()
+            wait0 = autopatch.report()["allreduce"].get("wait_seconds", 0.0) if kind == "autopatch" else 0.0
+            for _ in range(args.steps):
+                b0, t0 = wchar(), time.perf_counter()
+                step(model, opt, kind != "no_sync")
+                times[name].append(time.perf_counter() - t0)
+                sent[name].append(wchar() - b0)
             if kind == "autopatch":
-                settings = dict(arg)
-                mode = settings.pop("mode", "off")
-                autopatch.enable(mode=mode, fusion={"observe_steps": 1}, allreduce=dict({"enabled": True}, **settings))
-                warmup += 2 if mode != "off" else 0   # backward starts after 1 watched step
-            model = models.get(name, shared)
-            opt = opts.get(name, opts["shared"])
-            try:
-                for _ in range(warmup):
-                    step(model, opt, kind != "no_sync")
-                dist.barrier()
-                wait0 = autopatch.report()["allreduce"].get("wait_seconds", 0.0) if kind == "autopatch" else 0.0
-                for _ in range(args.steps):
-                    b0, t0 = wchar(), time.perf_counter()
-                    step(model, opt, kind != "no_sync")
-                    times[name].append(time.perf_counter() - t0)
-                    sent[name].append(wchar() - b0)
-                if kind == "autopatch":
-                    report = autopatch.report()
-                    waits[name].append((report["allreduce"]["wait_seconds"] - wait0) / args.steps)
-                    ran = {o["mode"] for o in report["optimizers"] if o["steps"]}
-                    if ran != {mode}:
-                        raise SystemExit(f"{name}: the optimizer ran in mode {ran}, not {mode}")
-            finally:
-                if kind == "autopatch":
-                    autopatch.disable()
-    if args.rank == 0:
+                report = autopatch.report()
+                waits[name].append((report["allreduce"]["wait_seconds"] - wait0) / args.steps)
+                ran = {o["mode"] for o in report["optimizers"] if o["steps"]}
+                if ran != {mode}:
+                    raise SystemExit(f"{name}: the optimizer ran in mode {ran}, not {mode}")
+        finally:
+            if kind == "autopatch":
+                autopatch.disable()
+    if rank == 0:
         base = statistics.median(times["no_sync (compute only)"])
         rows = []
         for name, kind, _ in runs:
@@ -122,7 +118,7 @@ def worker(args):
                          "exposed_comm_ms": 1e3 * (t - base),
                          "wait_ms": 1e3 * statistics.median(waits[name]) if waits[name] else None,
                          "sent_mib": statistics.median(sent[name]) / MiB})
-        print(json.dumps(rows))
+        launch.save_results(rows)
     sys.stdout.flush()
     os._exit(0)
 
@@ -164,22 +160,18 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a small model, few rounds: a smoke run")
-    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--init", help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds for the whole run of both ranks")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
         args.width, args.depth, args.rounds, args.steps = 256, 4, 2, 3
-    if args.rank is not None:
+    if args.worker:
         return worker(args)
-    init = os.path.join(tempfile.mkdtemp(), "init")
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    env.pop("FUSEDOPT_ENABLE", None)
-    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(r), "--init", init],
-                              env=env, stdout=subprocess.PIPE, text=True) for r in (0, 1)]
-    out = [p.communicate()[0] for p in procs]
-    if any(p.returncode for p in procs):
-        sys.exit("a rank failed")
-    rows = json.loads(out[0].strip().splitlines()[-1])
+    ranks = launch.run_ranks([__file__, *sys.argv[1:], "--worker"], 2, timeout=args.timeout)
+    why = launch.failed(ranks)
+    if why:
+        sys.exit(f"a rank failed:\n{why}")
+    rows = ranks[0].results
     params = (args.depth * (args.width + 1) * args.width) + (args.width + 1) * 10
     print(table(rows, params))
 

@@ -14,7 +14,6 @@ at most 20 trials), the starting config's, and what the search cost.
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
@@ -24,14 +23,14 @@ from torch import nn
 import autopatch
 from autopatch.autotune.knobs import RunKnobs
 from autopatch.autotune.space import Space
+from harness.alternation import turns
+from harness.machine import summary
+from harness.workloads import stack
 
 
 def build(width, depth):
     torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.LayerNorm(width), nn.GELU()]
-    model = nn.Sequential(*layers, nn.Linear(width, 10))
+    model = stack(width, depth, act=nn.GELU, norm=True, head=10)
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
@@ -75,7 +74,7 @@ def main():
     torch.set_num_threads(1)
     trial_seconds, rounds, pairs, steps = (0.2, 1, 2, 5) if args.quick else (1.5, 3, 3, 30)
 
-    autopatch.enable("autotune", fusion={"mode": "multi_layer", "chunk_bytes": 1024},
+    session = autopatch.enable("autotune", fusion={"mode": "multi_layer", "chunk_bytes": 1024},
                      autotune={"knobs": ["mode", "chunk_size_2p"], "warmup_steps": 20,
                                "trial_seconds": trial_seconds, "max_samples": args.max_samples,
                                "batch_size": args.batch, "bounds": {"mode": ["off", "multi_layer"],
@@ -89,8 +88,7 @@ def main():
     tune = autopatch.report()["autotune"]
     frozen = tune["best"]["config"]
 
-    runtime = autopatch._runtime
-    knobs = RunKnobs(runtime)
+    knobs = RunKnobs(session)
     knobs.current(frozen)
     space = Space({"mode": ("off", "multi_layer"), "chunk_size_2p": (8, 26)})
     grid = space.grid()
@@ -98,16 +96,15 @@ def main():
     relative = {name: [] for name, _ in contenders}     # throughput / the frozen config's, per round
     frozen_rates = []
     t0 = time.perf_counter()
-    for r in range(rounds):
-        for name, config in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:
-            mine, theirs = [], []
-            for _ in range(pairs):
-                knobs.apply(config)
-                mine.append(job.throughput(steps, 1))
-                knobs.apply(frozen)
-                theirs.append(job.throughput(steps, 1))
-            relative[name].append(statistics.median(mine) / statistics.median(theirs))
-            frozen_rates += theirs
+    for _, (name, config) in turns(contenders, rounds):
+        mine, theirs = [], []
+        for _ in range(pairs):
+            knobs.apply(config)
+            mine.append(job.throughput(steps, 1))
+            knobs.apply(frozen)
+            theirs.append(job.throughput(steps, 1))
+        relative[name].append(statistics.median(mine) / statistics.median(theirs))
+        frozen_rates += theirs
     grid_wall = time.perf_counter() - t0
     autopatch.disable()
 
@@ -117,7 +114,7 @@ def main():
     frozen_score = statistics.median(frozen_rates)
     start = tune["trials"][0]
     out = {
-        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread",
+        "machine": summary(),
         "workload": f"MLP width {args.width} depth {args.depth} ({sum(len(g['params']) for g in opt.param_groups)} "
                     f"tensors), Adam, batch {args.batch}; start: chunk 1 KiB",
         "space": f"mode x chunk_size_2p 8..26: {len(grid)} distinct configs",

@@ -27,16 +27,16 @@ import copy
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from torch import nn
-
 from autopatch import policy as ap_policy
-from autopatch.runtime import Runtime
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_context import autopatch_source, cpu_model, load_average, markdown  # noqa: E402
+from harness.alternation import quartiles, round_ratios, turns
+from harness.machine import closing, summary
+from harness.own_runtime import adopt_alone, auto_has_chosen
+from harness.report import markdown
+from harness.steps import Contender
+from harness.workloads import encoder
 
 CONTENDERS = [  # (name, optimizer options, policy, policy overrides); policy None: unpatched
     ("unpatched", {}, None, {}),
@@ -48,51 +48,24 @@ CONTENDERS = [  # (name, optimizer options, policy, policy overrides); policy No
 ]
 
 
-def transformer():
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True)
-    return nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+def contender(name, base, x, options, policy, overrides):
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), **options)
+    handle = adopt_alone(opt, policy, overrides) if policy is not None else None
+    return Contender(name, model, opt, (x, None), handle=handle)
 
 
-class Contender:
-    def __init__(self, name, base, x, options, policy, overrides):
-        self.name, self.x = name, x
-        self.model = copy.deepcopy(base)
-        self.opt = torch.optim.AdamW(self.model.parameters(), **options)
-        self.runtime = None
-        if policy is not None:
-            self.runtime = Runtime(ap_policy.load(policy, overrides=overrides))
-            self.runtime.adopt(self.opt)
-        self.rounds = []
-        self.opt_rounds = []      # per round, the median time inside opt.step()
+def choosing(c):
+    """Mode auto is still measuring (the other modes have chosen once their watch is over)."""
+    if c.handle is None:
+        return False
+    entry = c.handle.describe()
+    return "auto" in entry and not auto_has_chosen(entry)
 
-    @property
-    def controller(self):
-        return self.runtime.controllers[-1] if self.runtime else None
 
-    def step(self):
-        self.opt.zero_grad()
-        self.model(self.x).square().mean().backward()
-        t0 = time.perf_counter()
-        self.opt.step()
-        return time.perf_counter() - t0
-
-    def run(self, steps, timed=True):
-        times, opt_times = [], []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            opt_times.append(self.step())
-            times.append(time.perf_counter() - t0)
-        if timed:
-            self.rounds.append(statistics.median(times))
-            self.opt_rounds.append(statistics.median(opt_times))
-
-    def choosing(self):
-        return self.controller is not None and (not self.controller.decided or self.controller.choosing)
-
-    def finish(self):
-        if self.runtime is not None:
-            self.runtime.flush()
+def medians(c, phase=None):
+    """Per round, the median step (or the median time of one phase)."""
+    return [statistics.median(s.total if phase is None else getattr(s, phase) for s in r) for r in c.rounds]
 
 
 def relative_diff(a_model, b_model):
@@ -114,38 +87,39 @@ def main():
         args.rounds, args.steps, args.warmup = 3, 4, 8
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    base = transformer()
+    torch.manual_seed(0)
+    base = encoder()
     x = torch.randn(8, 32, 128, generator=torch.Generator().manual_seed(1))
-    cs = [Contender(name, base, x, *rest) for name, *rest in CONTENDERS]
+    cs = [contender(name, base, x, *rest) for name, *rest in CONTENDERS]
     # The modes that watch the first steps watch this process's autograd: each watches alone.
-    watch = 1 + max(c.runtime.policy.fusion.observe_steps for c in cs if c.runtime)
+    watch = 1 + max(ap_policy.load(policy, overrides=overrides).fusion.observe_steps
+                    for _, _, policy, overrides in CONTENDERS if policy)
     for c in cs:
-        c.run(watch, timed=False)
+        c.run(watch, record=False)
     warm = watch
-    while warm < args.warmup or any(c.choosing() for c in cs):
+    while warm < args.warmup or any(choosing(c) for c in cs):
         for c in cs:
-            c.run(1, timed=False)
+            c.run(1, record=False)
         warm += 1
         if warm % 50 == 0:
             print(f"warm-up step {warm}, still choosing: "
-                  + ", ".join(c.name for c in cs if c.choosing()), file=sys.stderr)
+                  + ", ".join(c.name for c in cs if choosing(c)), file=sys.stderr)
         if warm > 2000:
             sys.exit("mode auto did not choose within 2000 steps")
     warm_s = time.perf_counter() - started
-    for r in range(args.rounds):
-        for c in cs[r % len(cs):] + cs[:r % len(cs)]:
-            c.run(args.steps)
+    for _, c in turns(cs, args.rounds):
+        c.run(args.steps)
     for c in cs:
-        c.finish()
+        c.opt.state_dict()    # applies a pending update of mode forward, as saving a checkpoint does
     ref = cs[0]
     rows, ratios = [], {}
     for c in cs:
-        rs = [a / b for a, b in zip(c.rounds, ref.rounds)]
+        rs = round_ratios(c.rounds, ref.rounds)
         ratios[c.name] = statistics.median(rs)
-        q = statistics.quantiles(rs, n=4) if len(rs) > 1 else [rs[0]] * 3
+        lo, hi = quartiles(rs)
         note = ""
-        if c.controller is not None:
-            d = c.controller.describe()
+        if c.handle is not None:
+            d = c.handle.describe()
             route = d.get("route") or {}
             note = f"mode {d['mode']}; route {route.get('route')}"
             if route.get("deviation") is not None:
@@ -158,20 +132,20 @@ def main():
                                               else f"weights differ by up to {diff:.1e} (relative)")
             if c.name.startswith("autopatch default") and diff != 0:
                 sys.exit(f"{c.name} is not bitwise equal to unpatched: {diff:.3g}")
-        rows.append([c.name, f"{1e3 * statistics.median(c.rounds):.2f}",
-                     f"{1e3 * statistics.median(c.opt_rounds):.2f}", f"{ratios[c.name]:.3f}",
-                     f"{q[0]:.3f}-{q[2]:.3f}", note])
-    print(f"## policy fast on the CPU transformer (4 x d128, AdamW, batch 8 x 32)\n")
-    print(f"- {cpu_model()}, torch {torch.__version__}, {args.threads} thread(s); {autopatch_source()}")
+        rows.append([c.name, f"{1e3 * statistics.median(medians(c)):.2f}",
+                     f"{1e3 * statistics.median(medians(c, 'step')):.2f}", f"{ratios[c.name]:.3f}",
+                     f"{lo:.3f}-{hi:.3f}", note])
+    print("## policy fast on the CPU transformer (4 x d128, AdamW, batch 8 x 32)\n")
+    print(f"- {summary()}")
     print(f"- {warm} warm-up steps each ({warm_s:.0f} s), then {args.rounds} rounds x {args.steps} "
-          f"steps; load average at end {load_average()}; total {time.perf_counter() - started:.0f} s\n")
+          f"steps; {closing(started)}\n")
     print(markdown(["contender", "step ms (median)", "in opt.step() ms", "x unpatched (median of rounds)",
                     "quartiles", "notes"], rows))
     best = min((n for n in ratios if n.startswith("autopatch fast")), key=ratios.get)
     print(f"\nTarget: policy fast <= 0.85x unpatched: best {best} at {ratios[best]:.3f}x "
           f"({'met' if ratios[best] <= 0.85 else 'NOT met'}); torch fused=True at "
           f"{ratios['unpatched fused=True']:.3f}x")
-    floor = statistics.median([(s - o) / s for s, o in zip(ref.rounds, ref.opt_rounds)])
+    floor = statistics.median([(s - o) / s for s, o in zip(medians(ref), medians(ref, "step"))])
     print(f"An optimizer step taking no time at all would reach {floor:.3f}x (unpatched's share of "
           f"the step outside opt.step(), median of rounds). Mode backward updates inside backward "
           f"and mode forward inside the next forward: their opt.step() time shrinks by design.")

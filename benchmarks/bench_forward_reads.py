@@ -19,32 +19,27 @@ machine is left out.
 
 import argparse
 import statistics
-import sys
 import time
 import timeit
-from pathlib import Path
 
 import torch
 from torch import nn
 
 import autopatch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_context import autopatch_revision, cpu_model, load_average, markdown  # noqa: E402
+from harness.alternation import turns
+from harness.machine import summary
+from harness.report import markdown
+from harness.workloads import encoder, stack
 
 
 def mlp():
     torch.manual_seed(0)
-    layers = []
-    for _ in range(48):
-        layers += [nn.Linear(64, 64), nn.Tanh()]
-    return nn.Sequential(*layers), torch.randn(8, 64)
+    return stack(64, 48, act=nn.Tanh), torch.randn(8, 64)
 
 
 def transformer():
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, batch_first=True)
-    return nn.TransformerEncoder(layer, 4, enable_nested_tensor=False), torch.randn(8, 16, 64)
+    return encoder(64, 4, 128, dropout=0.1), torch.randn(8, 16, 64)
 
 
 def conv():
@@ -84,7 +79,7 @@ def time_forwards(model, x, n):
 
 def measure(make, rounds, per_round):
     model, x = make()
-    autopatch.enable(mode="multi_layer")
+    session = autopatch.enable(mode="multi_layer")
     try:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for step in range(2):
@@ -92,7 +87,7 @@ def measure(make, rounds, per_round):
             model(x).float().pow(2).mean().backward()
             opt.step()
             if step == 0:   # autotune's switch: mode auto's watch would refuse nn.MultiheadAttention
-                autopatch._runtime.controllers[-1].set_mode("forward")
+                session.optimizer(opt).set_mode("forward")
         (entry,) = [o for o in autopatch.report()["optimizers"] if o["steps"]]
         assert entry["mode"] == "forward" and entry["fusion"]["deferred_steps"] == 1, entry
         model(x)   # applies the last step's pending updates: from here on nothing is pending
@@ -106,10 +101,9 @@ def measure(make, rounds, per_round):
                 nn.Module.__getattr__ = fn
                 one[side].append(min(timeit.repeat("m.weight", globals=first, number=20000, repeat=3)) / 20000)
         got = {"torch": [], "autopatch": []}
-        for r in range(rounds):
-            for side in (("torch", "autopatch") if r % 2 == 0 else ("autopatch", "torch")):
-                nn.Module.__getattr__ = sides[side]
-                got[side].append(time_forwards(model, x, per_round))
+        for _, side in turns(("torch", "autopatch"), rounds):
+            nn.Module.__getattr__ = sides[side]
+            got[side].append(time_forwards(model, x, per_round))
         nn.Module.__getattr__ = patched
     finally:
         autopatch.disable()
@@ -124,8 +118,7 @@ def main():
     ap.add_argument("--per-round", type=int, default=20)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"# {cpu_model()}, torch {torch.__version__}, autopatch {autopatch_revision()}, "
-          f"load {load_average()}, {args.rounds} rounds x {args.per_round} forwards")
+    print(f"# {summary()}; {args.rounds} rounds x {args.per_round} forwards")
     rows = []
     for name, make in MODELS.items():
         reads, plain, patched, diff, one_plain, one_patched = measure(make, args.rounds, args.per_round)

@@ -13,8 +13,9 @@ the per-step ratios, both sides measured within milliseconds of each other.
   too), which steps the plain local shards and holds no memory of its own;
 - flat copy: the option autopatch does not take, measured: the optimizer steps a copy of the
   local shards under autopatch's ``multi_layer`` (flat buffers, chunks), and every step copies
-  the result back into FSDP's shards. It holds a second copy of the shards and of the gathered
-  gradients ("extra memory"). Copying the shards *in* again when something else wrote them
+  the result back into FSDP's shards. It holds a second copy of the shards, the buffer autopatch
+  keeps the smallest parameters' gradients in, and the buffers it gathers the other gradients of
+  a chunk into, beside FSDP's own gradients ("extra memory", the largest seen at any step). Copying the shards *in* again when something else wrote them
   (loading a checkpoint) is left out, so this is its best case.
 
 Every contender must end with the unpatched weights and optimizer state bit for bit, on every
@@ -26,35 +27,27 @@ rank, or the run stops.
 """
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+import torch
+from torch import nn
+
+from harness import launch
+from harness.alternation import rotated
+from harness.machine import summary
+from harness.optimizers import BertAdam
+from harness.own_runtime import adopt_alone, assert_fused
+from harness.report import markdown
+from harness.states import assert_trained_alike
+from harness.workloads import stack
 
 MiB = 2**20
 CONTENDERS = ("unpatched", "autopatch", "flat copy")
 
 
-def mlp(width, depth):
-    """``depth`` x (Linear, LayerNorm, GELU) + a Linear head: 4 * depth + 2 parameter tensors."""
-    from torch import nn
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.LayerNorm(width), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(width, 4))
-
-
 def shard_mlp(model):
-    from torch import nn
     from torch.distributed.fsdp import fully_shard
     for m in model:
         if isinstance(m, nn.Linear):
@@ -72,26 +65,21 @@ def gpt2(device):
     return fully_shard(model)
 
 
-def optimizers():
-    import torch
-    from training import BertAdam
-    return {"AdamW": lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01),
-            "BertAdam": lambda params: BertAdam(params, lr=1e-4)}
+OPTIMIZERS = {"AdamW": lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01),
+              "BertAdam": lambda params: BertAdam(params, lr=1e-4)}
 
 
 def under_autopatch(opt):
-    """Put ``opt`` alone under autopatch, as ``enable()`` would, with a runtime of its own so the
-    unpatched contender stays untouched."""
-    from autopatch import policy as ap_policy
-    from autopatch.runtime import Runtime
-    rt = Runtime(ap_policy.load("multi_layer"))
-    rt.adopt(opt)
-    return rt.controllers[-1]
+    """``opt`` alone under autopatch's multi_layer, the unpatched contender left untouched."""
+    return adopt_alone(opt, "multi_layer")
 
 
-class Contender:
-    def __init__(self, name, model, opt, controller=None, step=None):
-        self.name, self.model, self.opt, self.controller = name, model, opt, controller
+class Stepper:
+    """A contender: its copy of the model and its optimizer, stepped from the gradients the
+    unpatched contender computed; only ``step`` is timed."""
+
+    def __init__(self, name, model, opt, handle=None, step=None):
+        self.name, self.model, self.opt, self.handle = name, model, opt, handle
         self.params = list(model.parameters())
         self._step = step or opt.step
         self.times = []
@@ -112,8 +100,8 @@ class Contender:
     def extra_bytes(self):
         if self.name != "flat copy":
             return 0
-        fusion = self.controller.describe()["fusion"]
-        return fusion["flat_bytes"] + fusion["gathered_grad_bytes"]
+        fusion = self.handle.describe()["fusion"]
+        return fusion["flat_bytes"] + fusion["kept_grad_bytes"] + self.opt.gathered_bytes
 
 
 class FlatCopy:
@@ -121,16 +109,15 @@ class FlatCopy:
     write the result back into FSDP's shards."""
 
     def __init__(self, params, make_opt):
-        import torch
         with torch.no_grad():
             self.params = params
             self.shards = [p.to_local() for p in params]
             self.copies = [torch.nn.Parameter(s.detach().clone()) for s in self.shards]
         self.opt = make_opt(self.copies)
-        self.controller = under_autopatch(self.opt)
+        self.handle = under_autopatch(self.opt)
+        self.gathered_bytes = 0
 
     def step(self):
-        import torch
         with torch.no_grad():
             for c, p in zip(self.copies, self.params):
                 c.grad = None if p.grad is None else p.grad.to_local()
@@ -138,6 +125,12 @@ class FlatCopy:
             torch._foreach_copy_(self.shards, [c.detach() for c in self.copies])
 
     def zero_grad(self):
+        """Drop the copies' gradients, noting first the bytes of the buffers autopatch gathered
+        them into: every gradient storage they hold that is not FSDP's own."""
+        own = {p.grad.to_local().untyped_storage().data_ptr() for p in self.params if p.grad is not None}
+        held = {c.grad.untyped_storage().data_ptr(): c.grad.untyped_storage().nbytes()
+                for c in self.copies if c.grad is not None}
+        self.gathered_bytes = max(self.gathered_bytes, sum(n for ptr, n in held.items() if ptr not in own))
         for c in self.copies:
             c.grad = None
 
@@ -146,52 +139,34 @@ class FlatCopy:
 
 
 def contenders(build, make_opt):
-    import torch
     out = []
     for name in CONTENDERS:
         torch.manual_seed(0)
         model = build()
         if name == "unpatched":
-            out.append(Contender(name, model, make_opt(model.parameters())))
+            out.append(Stepper(name, model, make_opt(model.parameters())))
         elif name == "autopatch":
             opt = make_opt(model.parameters())
-            out.append(Contender(name, model, opt, controller=under_autopatch(opt)))
+            out.append(Stepper(name, model, opt, handle=under_autopatch(opt)))
         else:
             flat = FlatCopy(list(model.parameters()), make_opt)
-            out.append(Contender(name, model, flat, controller=flat.controller, step=flat.step))
+            out.append(Stepper(name, model, flat, handle=flat.handle, step=flat.step))
     return out
-
-
-def local(t):
-    from torch.distributed.tensor import DTensor
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def check_equal(ref, other):
     """Same local shards and optimizer state as unpatched, bit for bit, and autopatch really ran
     its fused step."""
-    import torch
-    for i, (a, b) in enumerate(zip(ref.params, other.params)):
-        assert torch.equal(local(a).detach(), local(b).detach()), f"{other.name}: parameter {i} differs"
-    sa, sb = ref.opt.state_dict()["state"], other.opt.state_dict()["state"]
-    assert sa.keys() == sb.keys(), f"{other.name}: state entries differ"
-    for k in sa:
-        assert sa[k].keys() == sb[k].keys(), f"{other.name}: state keys of {k} differ"
-        for key, va in sa[k].items():
-            vb = sb[k][key]
-            same = (torch.equal(local(va), local(vb)) if isinstance(va, torch.Tensor) else va == vb)
-            assert same, f"{other.name}: state {k}.{key} differs"
-    fusion = other.controller.describe().get("fusion", {})
-    assert other.controller.mode == "multi_layer" and fusion.get("fused_steps", 0) > 0, \
-        f"{other.name}: autopatch did not run its fused step ({other.controller.reason})"
+    assert_trained_alike(other.name, ref.params, other.params, ref.opt, other.opt)
+    assert_fused(other.handle, other.name)
     if other.name == "autopatch":
+        fusion = other.handle.describe()["fusion"]
         assert fusion.get("layout") == "local_shards", f"autopatch ran {fusion}"
 
 
 def measure(build, make_opt, batch, steps, warmup, sync=lambda: None, autocast=None):
     """Train the first contender; every step, each contender steps from its gradients in turn."""
     import contextlib
-    import torch
     runners = contenders(build, make_opt)
     ref = runners[0]
     for i in range(warmup + steps):
@@ -201,8 +176,7 @@ def measure(build, make_opt, batch, steps, warmup, sync=lambda: None, autocast=N
         value.backward()
         for r in runners[1:]:
             r.take_grads(ref.params)
-        k = i % len(runners)
-        for r in runners[k:] + runners[:k]:
+        for r in rotated(runners, i):
             r.step(sync, record=i >= warmup)
     for r in runners[1:]:
         check_equal(ref, r)
@@ -222,57 +196,48 @@ CPU_MODELS = {"6 x (Linear 64, LayerNorm, GELU) + head": (64, 6),
 
 
 def cpu_worker(args):
-    import torch
     import torch.distributed as dist
-    from torch import nn
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=300))
+    rank = launch.init_rank()
     results = []
     for model_name, (width, depth) in CPU_MODELS.items():
         def batch(i, model):
-            g = torch.Generator().manual_seed(1000 * args.rank + i)
+            g = torch.Generator().manual_seed(1000 * rank + i)
             x, y = torch.randn(16, width, generator=g), torch.randint(0, 4, (16,), generator=g)
             return lambda: nn.functional.cross_entropy(model(x), y)
-        for opt_name, make_opt in optimizers().items():
-            res = measure(lambda: shard_mlp(mlp(width, depth)), make_opt, batch, args.steps, args.warmup)
+        for opt_name, make_opt in OPTIMIZERS.items():
+            build = lambda: shard_mlp(stack(width, depth, act=nn.GELU, norm=True, head=4))  # noqa: E731
+            res = measure(build, make_opt, batch, args.steps, args.warmup)
             for name, r in res.items():
                 results.append(dict(r, model=model_name, optimizer=opt_name, contender=name))
-    if args.rank == 0:
-        print(json.dumps(results))
+    if rank == 0:
+        launch.save_results(results)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def run_cpu(args):
-    init = os.path.join(tempfile.mkdtemp(), "init")
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT / "tests"))
-    env.pop("FUSEDOPT_ENABLE", None)
-    cmd = [sys.executable, __file__, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     start = time.time()
-    procs = [subprocess.Popen(cmd + ["--rank", str(r), "--init", init], env=env, stdout=subprocess.PIPE,
-                              text=True) for r in (0, 1)]
-    out = [p.communicate()[0] for p in procs]
-    if any(p.returncode for p in procs):
-        sys.exit("a rank failed (see its traceback above)")
-    rows = json.loads(out[0].strip().splitlines()[-1])
+    ranks = launch.run_ranks([__file__, "--steps", args.steps, "--warmup", args.warmup, "--worker"], 2,
+                             timeout=args.timeout)
+    why = launch.failed(ranks)
+    if why:
+        sys.exit(f"a rank failed:\n{why}")
     print(context("2 gloo ranks on 127.0.0.1, 1 thread each", args, time.time() - start))
-    print(table(rows))
+    print(table(ranks[0].results))
 
 
 # -- GPU: 1 rank, GPT-2 124M ----------------------------------------------------------------------
 def run_gpu(args):
-    import torch
     if not torch.cuda.is_available():
         print("bench_fsdp --gpu: CUDA is not available on this machine; nothing measured.")
         return
     import torch.distributed as dist
-    init = os.path.join(tempfile.mkdtemp(), "init")
-    dist.init_process_group("nccl", init_method=f"file://{init}", rank=0, world_size=1)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     torch.cuda.set_device(0)
     start = time.time()
     rows = []
-    for opt_name, make_opt in optimizers().items():
+    for opt_name, make_opt in OPTIMIZERS.items():
         def batch(i, model):
             g = torch.Generator().manual_seed(i)
             ids = torch.randint(0, 50257, (args.gpu_batch, 256), generator=g).cuda()
@@ -289,16 +254,11 @@ def run_gpu(args):
 
 # -- reporting ------------------------------------------------------------------------------------
 def context(where, args, seconds):
-    import torch
-    from run_context import autopatch_revision, cpu_model, load_average
-    return (f"bench_fsdp {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-            f"autopatch {autopatch_revision()}, torch {torch.__version__}, Python {platform.python_version()}\n"
-            f"{cpu_model()}, {os.cpu_count()} cores, load average {load_average()}; {where}; "
-            f"{args.warmup} warm-up + {args.steps} timed steps per contender; {seconds:.0f} s\n")
+    return (f"bench_fsdp: {summary()}\n{where}; {args.warmup} warm-up + {args.steps} timed steps per "
+            f"contender; {seconds:.0f} s\n")
 
 
 def table(rows):
-    from run_context import markdown
     body = []
     for r in rows:
         ratio = "1.000" if r["contender"] == "unpatched" else f"{r['ratio']:.3f}"
@@ -316,12 +276,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="few steps: a smoke run")
     ap.add_argument("--gpu", action="store_true", help="GPT-2 124M on one CUDA device instead")
     ap.add_argument("--gpu-batch", type=int, default=8)
-    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--init", help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds for the whole CPU run of both ranks")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
         args.steps, args.warmup = 6, 2
-    if args.rank is not None:
+    if args.worker:
         return cpu_worker(args)
     return run_gpu(args) if args.gpu else run_cpu(args)
 

@@ -12,98 +12,37 @@ stops: a speed-up of a wrong computation is never reported.
 
 import argparse
 import copy
-import datetime
 import gc
 import logging
-import os
-import platform
 import statistics
 import sys
 import time
 import warnings
 
 import torch
-from torch import nn
 
-from autopatch import policy as ap_policy
 from autopatch.fusion.chunking import default_chunk_bytes
-from autopatch.runtime import Runtime
-from run_context import autopatch_revision, cpu_model, load_average, markdown
+from harness.alternation import turns
+from harness.machine import closing, load_average, summary
+from harness.optimizers import BertAdam
+from harness.own_runtime import adopt_alone, assert_fused
+from harness.report import markdown
+from harness.states import assert_trained_alike
+from harness.steps import Contender
+from harness.workloads import linear_relu, many_small, transformer
 
-BYTES_PER_ELEM = 7 * 4   # read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
+BYTES_PER_ELEM = 7 * 4   # read param, grad and both moments; write param and both moments
 BIG_COPY_BYTES = 512 << 20
 HUGE = 1 << 40           # a chunk size larger than any run: one chunk per run
 SWEEP = [64 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 16 << 20, HUGE]
 QUICK_SWEEP = [64 << 10, 256 << 10, 1 << 20, 4 << 20, HUGE]
 
 
-# -- workloads --------------------------------------------------------------------------------
-class Block(nn.Module):
-    """Residual, normalised: a deep stack whose gradients stay clear of denormal floats
-    (a plain deep tanh MLP underflows and would time the CPU's denormal path instead)."""
-
-    def __init__(self, width):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x):
-        return x + self.fc(torch.relu(self.norm(x)))
-
-
-def many_small():
-    return nn.Sequential(*[Block(64) for _ in range(100)]), torch.randn(32, 64)
-
-
-def transformer():
-    layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True)
-    return nn.TransformerEncoder(layer, 4, enable_nested_tensor=False), torch.randn(8, 32, 128)
-
-
-def few_large():
-    layers = [m for _ in range(4) for m in (nn.Linear(2048, 2048), nn.ReLU())]
-    return nn.Sequential(*layers), torch.randn(32, 2048)
-
-
 WORKLOADS = {
     "a": ("(a) 100 residual blocks, width 64", many_small),
     "b": ("(b) TransformerEncoder 4 x d128", transformer),
-    "c": ("(c) 4 x Linear 2048x2048", few_large),
+    "c": ("(c) 4 x Linear 2048x2048", lambda: linear_relu(2048, 4, 32)),
 }
-
-
-# -- optimizers -------------------------------------------------------------------------------
-class BertAdam(torch.optim.Optimizer):
-    """Adam with decoupled weight decay and no bias correction, as BERT's reference code wrote
-    it: plain tensor ops in a Python loop over parameters, the kind of optimizer torch has no
-    foreach or fused kernel for."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
-                m.mul_(beta1).add_(g, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                update = m / v.sqrt().add_(group["eps"])
-                if group["weight_decay"]:
-                    update.add_(p, alpha=group["weight_decay"])
-                p.add_(update, alpha=-group["lr"])
-        return loss
-
 
 OPTIMIZERS = {
     "AdamW": lambda params, **kw: torch.optim.AdamW(params, lr=1e-3, **kw),
@@ -111,40 +50,16 @@ OPTIMIZERS = {
 }
 
 
-# -- contenders -------------------------------------------------------------------------------
 class NotAvailable(Exception):
     pass
 
 
-class Contender:
-    """One model copy and its optimizer, trained on a fixed batch; keeps per-step timings."""
+def median_step(c):
+    return statistics.median(s.step for s in c.records())
 
-    def __init__(self, name, model, x, opt, step=None, controller=None):
-        self.name, self.model, self.x, self.opt = name, model, x, opt
-        self.step = step or opt.step
-        self.controller = controller
-        self.step_s, self.train_s = [], []
-        self.setup_s = 0.0
-        self.steps = 0
 
-    def run(self, steps, record=True):
-        for _ in range(steps):
-            self.steps += 1
-            t0 = time.perf_counter()
-            self.opt.zero_grad()
-            self.model(self.x).square().mean().backward()
-            t1 = time.perf_counter()
-            self.step()
-            t2 = time.perf_counter()
-            if record:
-                self.step_s.append(t2 - t1)
-                self.train_s.append(t2 - t0)
-
-    def median_step(self):
-        return statistics.median(self.step_s)
-
-    def median_train(self):
-        return statistics.median(self.train_s)
+def median_train(c):
+    return statistics.median(s.total for s in c.records())
 
 
 class CopyProbe:
@@ -169,30 +84,27 @@ class CopyProbe:
         return 2 * self.src.numel() * 4 / statistics.median(self.times) / 1e9
 
 
-def autopatch_controller(opt, chunk_bytes="auto", exact="bitwise"):
-    """Put ``opt`` under autopatch's multi_layer mode, as ``enable(mode='multi_layer')`` would,
-    but with a runtime of its own so differently configured contenders can alternate."""
-    overrides = {"fusion.chunk_bytes": chunk_bytes, "fusion.exact": exact}
-    rt = Runtime(ap_policy.load("multi_layer", overrides=overrides))
-    rt.adopt(opt)
-    return rt.controllers[-1]
+def under_autopatch(opt, chunk_bytes="auto", exact="bitwise"):
+    """``opt`` in autopatch's multi_layer mode, as ``enable(mode='multi_layer')`` would put it,
+    under a runtime of its own so differently configured contenders can alternate."""
+    return adopt_alone(opt, "multi_layer", {"fusion.chunk_bytes": chunk_bytes, "fusion.exact": exact})
 
 
-def build(kind, opt_name, base, x, args, chunk_bytes="auto"):
+def build(kind, opt_name, base, batch, args, chunk_bytes="auto"):
     """A fresh copy of the model with the contender's optimizer, or NotAvailable(reason)."""
     model = copy.deepcopy(base)
     make = OPTIMIZERS[opt_name]
     if kind == "unpatched":
-        return Contender("unpatched (for-loop)", model, x, make(model.parameters()))
+        return Contender("unpatched (for-loop)", model, make(model.parameters()), batch)
     if kind == "foreach":
-        return Contender("torch foreach=True", model, x, make(model.parameters(), foreach=True))
+        return Contender("torch foreach=True", model, make(model.parameters(), foreach=True), batch)
     if kind == "fused":
-        return Contender("torch fused=True", model, x, make(model.parameters(), fused=True))
+        return Contender("torch fused=True", model, make(model.parameters(), fused=True), batch)
     if kind == "compile":
         if args.no_compile:
             raise NotAvailable("skipped (--quick / --no-compile)")
         opt = make(model.parameters())
-        c = Contender("torch.compile(opt.step)", model, x, opt, step=torch.compile(opt.step))
+        c = Contender("torch.compile(opt.step)", model, opt, batch, step=torch.compile(opt.step))
         t0 = time.perf_counter()
         try:
             c.run(1, record=False)
@@ -202,18 +114,17 @@ def build(kind, opt_name, base, x, args, chunk_bytes="auto"):
         return c
     if kind == "autopatch":
         opt = make(model.parameters())
-        ctrl = autopatch_controller(opt, chunk_bytes)
         label = "autopatch multi_layer" if chunk_bytes == "auto" else chunk_label(chunk_bytes)
-        return Contender(label, model, x, opt, controller=ctrl)
+        return Contender(label, model, opt, batch, handle=under_autopatch(opt, chunk_bytes))
     if kind == "autopatch+rounding":
         if args.no_compile and opt_name == "BertAdam":
             raise NotAvailable("skipped (--quick / --no-compile: its route is compiled)")
         opt = make(model.parameters())
-        ctrl = autopatch_controller(opt, chunk_bytes, exact="rounding")
-        c = Contender("autopatch multi_layer, exact: rounding", model, x, opt, controller=ctrl)
+        handle = under_autopatch(opt, chunk_bytes, exact="rounding")
+        c = Contender("autopatch multi_layer, exact: rounding", model, opt, batch, handle=handle)
         t0 = time.perf_counter()
         c.run(2, record=False)    # a chunk's first step is bitwise: the route runs from the second
-        route = ctrl.describe().get("route", {})
+        route = handle.describe().get("route", {})
         if route.get("route") == "bitwise":
             raise NotAvailable(f"route bitwise: {route.get('why')}")
         c.setup_s = time.perf_counter() - t0
@@ -247,26 +158,16 @@ def alternate(runners, rounds, steps, warmup):
     while being built), then rounds of ``steps`` each, the starting runner rotating."""
     for r in runners:
         r.run(max(0, warmup - r.steps), record=False)
-    for i in range(rounds):
-        for r in runners[i % len(runners):] + runners[:i % len(runners)]:
-            gc.collect()
-            r.run(steps)
+    for _, r in turns(runners, rounds):
+        gc.collect()
+        r.run(steps)
 
 
 def check_equal(ref, other):
     """``other`` trained to exactly the weights and optimizer state of ``ref``, and autopatch
     really ran its fused step (not a silent fallback)."""
-    for i, (a, b) in enumerate(zip(ref.model.parameters(), other.model.parameters())):
-        assert torch.equal(a, b), f"{other.name}: parameter {i} differs from {ref.name} " \
-                                  f"by {(a - b).abs().max().item():.3g}"
-    sa, sb = ref.opt.state_dict()["state"], other.opt.state_dict()["state"]
-    assert sa.keys() == sb.keys(), f"{other.name}: state keys differ from {ref.name}"
-    for k in sa:
-        for key, va in sa[k].items():
-            vb = sb[k][key]
-            ok = torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb
-            assert ok, f"{other.name}: state {k}.{key} differs from {ref.name}"
-    check_fused(other)
+    assert_trained_alike(other.name, ref.model.parameters(), other.model.parameters(), ref.opt, other.opt, ref.name)
+    assert_fused(other.handle, other.name)
 
 
 def check_one_step(c, opt_name):
@@ -278,7 +179,7 @@ def check_one_step(c, opt_name):
     opt = OPTIMIZERS[opt_name](model.parameters())
     # load_state_dict keeps tensors it is given as they are: without the copy both would share state.
     opt.load_state_dict(copy.deepcopy(c.opt.state_dict()))
-    ref = Contender("unpatched (for-loop)", model, c.x, opt)
+    ref = Contender("unpatched (for-loop)", model, opt, c.batch)
     before = [p.detach().clone() for p in model.parameters()]
     ref.run(1, record=False)
     c.run(1, record=False)
@@ -287,13 +188,7 @@ def check_one_step(c, opt_name):
         diff = (a - b).abs().max().item()
         assert diff <= 1e-2 * update, f"{c.name}: one step of parameter {i} differs from " \
                                       f"unpatched by {diff:.3g}, the update is {update:.3g}"
-    check_fused(c)
-
-
-def check_fused(c):
-    fusion = c.controller.describe().get("fusion", {})
-    assert c.controller.mode == "multi_layer" and fusion.get("fused_steps", 0) > 0, \
-        f"{c.name}: autopatch did not run the fused step ({c.controller.reason})"
+    assert_fused(c.handle, c.name)
 
 
 # -- reporting --------------------------------------------------------------------------------
@@ -324,7 +219,7 @@ def main_table(args):
     for wkey in args.workloads:
         title, make = WORKLOADS[wkey]
         torch.manual_seed(0)
-        base, x = make()
+        base, batch, _ = make()
         n = numel(base)
         # Same footprint as the step: a copy of 2P bytes into 2P bytes touches 4 x param bytes.
         probe = CopyProbe(2 * n * 4)
@@ -339,7 +234,7 @@ def main_table(args):
                 if (opt_name, kind) in INAPPLICABLE:
                     continue
                 try:
-                    built[kind] = build(kind, opt_name, base, x, args)
+                    built[kind] = build(kind, opt_name, base, batch, args)
                 except NotAvailable as e:
                     missing[kind] = str(e)
             alternate(list(built.values()) + [probe, big], args.rounds, args.steps, args.warmup)
@@ -351,7 +246,7 @@ def main_table(args):
             if "autopatch+rounding" in built:
                 check_one_step(built["autopatch+rounding"], opt_name)
                 checked["autopatch+rounding"] = "one step agrees with unpatched to 1% of the update"
-            ref_step, ref_train = ref.median_step(), ref.median_train()
+            ref_step, ref_train = median_step(ref), median_train(ref)
             for kind in CONTENDERS:
                 wl = f"({wkey})"
                 if kind in missing:
@@ -360,7 +255,7 @@ def main_table(args):
                 if kind not in built:
                     continue
                 c = built[kind]
-                s, t = c.median_step(), c.median_train()
+                s, t = median_step(c), median_train(c)
                 gbps = n * BYTES_PER_ELEM / s / 1e9
                 note = ""
                 if kind == "autopatch+rounding":
@@ -371,10 +266,12 @@ def main_table(args):
                         note += (f"; dynamo hit its recompile limit on "
                                  f"{', '.join(sorted(set(recompiles.hits)))} and ran it eagerly "
                                  f"from then on")
-                if c.controller is not None:
-                    f = c.controller.describe()["fusion"]
-                    note = ", ".join(filter(None, [note, f"{f['chunks']} x {chunk_label(f['chunk_bytes'])} "
-                                                   "chunks", checked[kind]]))
+                if c.handle is not None:
+                    f = c.handle.describe()["fusion"]
+                    # A route stepping torch's fused kernel per tensor plans no flat chunks.
+                    chunks = (f"{f['chunks']} x {chunk_label(f['chunk_bytes'])} chunks" if f["chunk_bytes"]
+                              else "no flat chunks")
+                    note = ", ".join(filter(None, [note, chunks, checked[kind]]))
                 rows.append([wl, opt_name, LABELS[kind], f"{s * 1e3:.2f}", ratio_cell(s, ref_step),
                              f"{t * 1e3:.2f}", ratio_cell(t, ref_train), f"{gbps:.1f}",
                              f"{100 * gbps / probe.gbps():.0f}%", note])
@@ -402,20 +299,20 @@ def sweep_table(args):
             continue
         title, make = WORKLOADS[wkey]
         torch.manual_seed(0)
-        base, x = make()
+        base, batch, _ = make()
         for opt_name in OPTIMIZERS:
             col = f"{title.split(' ')[0]} {opt_name}"
             columns.append(col)
-            ref = build("unpatched", opt_name, base, x, args)
-            runs = [build("autopatch", opt_name, base, x, args, chunk_bytes=b) for b in sizes]
+            ref = build("unpatched", opt_name, base, batch, args)
+            runs = [build("autopatch", opt_name, base, batch, args, chunk_bytes=b) for b in sizes]
             default = default_chunk_bytes(ref.opt)
             alternate([ref] + runs, args.rounds, args.steps, args.warmup)
             for c in runs:
                 check_equal(ref, c)
-            r = ref.median_step()
-            times = {b: c.median_step() for b, c in zip(sizes, runs)}
+            r = median_step(ref)
+            times = {b: median_step(c) for b, c in zip(sizes, runs)}
             for b, c in zip(sizes, runs):
-                chunks = c.controller.describe()["fusion"]["chunks"]
+                chunks = c.handle.describe()["fusion"]["chunks"]
                 cells[(b, col)] = f"{times[b] * 1e3:.2f} ms ({times[b] / r:.2f}, {chunks} ch)"
             cells[("unpatched", col)] = f"{r * 1e3:.2f} ms (1.00)"
             winner = min(times, key=times.get)
@@ -463,16 +360,6 @@ def targets(verdict):
     return lines
 
 
-def machine():
-    return (f"{datetime.date.today()}, {cpu_model()}, nproc {os.cpu_count()}, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), python {platform.python_version()}, "
-            f"autopatch at {autopatch_revision()}")
-
-
-def load():
-    return load_average("/", 1)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, help="rounds of alternation (default 5, quick 3)")
@@ -494,9 +381,9 @@ def main():
     warnings.filterwarnings("ignore")
 
     started = time.perf_counter()
-    print(f"# bench_fused_step: {machine()}")
+    print(f"# bench_fused_step: {summary()}")
     print(f"rounds {args.rounds} x steps {args.steps} (+{args.warmup} warm-up steps), medians over "
-          f"{args.rounds * args.steps} steps; load average at start {load()}\n")
+          f"{args.rounds * args.steps} steps; load average at start {load_average('/', 1)}\n")
     header, rows, verdict, notes = main_table(args)
     print(markdown(header, rows))
     print()
@@ -521,7 +408,7 @@ def main():
             print(f"- {b}")
     print(f"\nEvery autopatch contender was checked after its last timed step: bitwise ones, "
           f"weights and optimizer state bit-for-bit equal to unpatched; exact: rounding, see its note. "
-          f"Load average at end {load()}; total {time.perf_counter() - started:.0f} s.")
+          f"{closing(started).capitalize()}.")
 
 
 if __name__ == "__main__":

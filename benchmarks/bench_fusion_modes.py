@@ -35,139 +35,59 @@ Every autopatch contender must end with the same model and optimizer state as un
 """
 
 import argparse
-import ctypes
-import gc
 import multiprocessing
 import os
-import platform
-import resource
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from pathlib import Path
 
 import torch
-from torch import nn
 
 import autopatch
+from harness.alternation import median_ms, quartiles, round_ratios
+from harness.machine import closing, summary
+from harness.memory import peak_memory_bytes, pin_mmap_threshold, reset_peak_memory
+from harness.optimizers import BertAdam
+from harness.own_runtime import auto_has_chosen
+from harness.processes import Worker, in_turns, serve
+from harness.report import markdown
+from harness.states import compare_states
+from harness.steps import train_step
+from harness.workloads import cross_entropy, linear_relu, many_small, mobilenet_v2, square_loss, stack, transformer
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from training import BertAdam  # noqa: E402  the hand-written optimizer the tests check bit for bit
-from run_context import (autopatch_source, compare_states, cpu_model, load_average,  # noqa: E402
-                         markdown, median_ms, quartiles, round_ratios)
-
 CONTENDERS = ["unpatched", "fused", "multi_layer", "backward", "forward", "auto"]
 AUTOPATCH_MODES = ("multi_layer", "backward", "forward", "auto")
 LABELS = {"unpatched": "unpatched (default)", "fused": "torch fused=True", "multi_layer": "multi_layer",
           "backward": "backward", "forward": "forward", "auto": "auto"}
 PHASES = ("forward", "backward", "optimizer")
+TIMEOUT = 1800            # seconds any one answer of a contender may take (auto's warm-up the longest)
 
 
-# -- models -----------------------------------------------------------------------------------
-def _divisible(v, d=8):
-    """MobileNetV2's channel rounding: to a multiple of 8, never below 90% of ``v``."""
-    n = max(d, int(v + d / 2) // d * d)
-    return n + d if n < 0.9 * v else n
-
-
-class InvertedResidual(nn.Module):
-    """Expand (1x1), depthwise 3x3, project (1x1); a skip connection where shapes allow."""
-
-    def __init__(self, cin, cout, stride, expand):
-        super().__init__()
-        hidden = cin * expand
-        layers = []
-        if expand != 1:
-            layers += [nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True)]
-        layers += [nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
-                   nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True),
-                   nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout)]
-        self.conv = nn.Sequential(*layers)
-        self.skip = stride == 1 and cin == cout
-
-    def forward(self, x):
-        return x + self.conv(x) if self.skip else self.conv(x)
-
-
-# (expansion, channels, blocks, stride) of MobileNetV2 (Sandler et al., 2018, table 2).
-MOBILENET_V2 = [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
-                (6, 160, 3, 2), (6, 320, 1, 1)]
-
-
-def mobilenet_v2(width=0.35, classes=100):
-    """MobileNetV2 built here (no torchvision, no download); 158 parameter tensors at any width."""
-    cin, last = _divisible(32 * width), _divisible(1280 * max(1.0, width))
-    layers = [nn.Sequential(nn.Conv2d(3, cin, 3, 2, 1, bias=False), nn.BatchNorm2d(cin), nn.ReLU6(inplace=True))]
-    for t, c, n, s in MOBILENET_V2:
-        cout = _divisible(c * width)
-        for i in range(n):
-            layers.append(InvertedResidual(cin, cout, s if i == 0 else 1, t))
-            cin = cout
-    layers.append(nn.Sequential(nn.Conv2d(cin, last, 1, bias=False), nn.BatchNorm2d(last), nn.ReLU6(inplace=True)))
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(last, classes))
-
-
-class Block(nn.Module):
-    """Residual and normalised, so a deep narrow stack keeps its gradients clear of denormals."""
-
-    def __init__(self, width):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x):
-        return x + self.fc(torch.relu(self.norm(x)))
-
-
-def square_loss(out, _):
-    return out.square().mean()
-
-
-def cross_entropy(out, y):
-    return nn.functional.cross_entropy(out, y)
-
-
+# -- workloads --------------------------------------------------------------------------------
 def w_mobilenet():
     return mobilenet_v2(), (torch.randn(8, 3, 64, 64), torch.randint(0, 100, (8,))), cross_entropy
-
-
-def w_transformer():
-    layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True)
-    model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
-    return model, (torch.randn(8, 32, 128), None), square_loss
-
-
-def w_many_small():
-    return nn.Sequential(*[Block(64) for _ in range(100)]), (torch.randn(32, 64), None), square_loss
-
-
-def w_wide_mlp():
-    layers = [m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.ReLU())]
-    return nn.Sequential(*layers), (torch.randn(8, 1024), None), square_loss
 
 
 def w_linear_stack():
     """256 bias-free 256 x 256 layers: 64 MiB of gradients in equal tensors, where a chunk-sized
     copy of the gradients, or gradients held for a whole chunk in backward, shows at once."""
-    layers = [m for _ in range(256) for m in (nn.Linear(256, 256, bias=False), nn.ReLU())]
-    return nn.Sequential(*layers), (torch.randn(8, 256), None), square_loss
+    return stack(256, 256, bias=False), (torch.randn(8, 256), None), square_loss
 
 
 # key -> (title, builder, optimizer)
 WORKLOADS = {
     "mobilenet": ("MobileNetV2 x0.35, 64x64, batch 8", w_mobilenet, "AdamW"),
-    "transformer": ("TransformerEncoder 4 x d128, batch 8 x 32", w_transformer, "AdamW"),
-    "many_small": ("100 residual blocks, width 64, batch 32", w_many_small, "BertAdam"),
-    "wide_mlp": ("8 x Linear 1024x1024, batch 8 (memory)", w_wide_mlp, "AdamW"),
+    "transformer": ("TransformerEncoder 4 x d128, batch 8 x 32", transformer, "AdamW"),
+    "many_small": ("100 residual blocks, width 64, batch 32", many_small, "BertAdam"),
+    "wide_mlp": ("8 x Linear 1024x1024, batch 8 (memory)", lambda: linear_relu(1024, 8, 8), "AdamW"),
     "linear_stack": ("256 x Linear 256x256 no bias, batch 8 (memory)", w_linear_stack, "AdamW"),
 }
 
 
-# -- optimizers -------------------------------------------------------------------------------
 def make_optimizer(name, params, contender):
     if name == "BertAdam":
         return BertAdam(params)
@@ -181,143 +101,85 @@ def available(workload, contender):
     return None
 
 
-# -- memory -----------------------------------------------------------------------------------
-# glibc raises its mmap threshold as large blocks are freed and then keeps later ones in the
-# heap, so a process's resident size depends on its allocation history. The memory phase pins the
-# threshold: every tensor of 64 KiB or more gets its own mapping, returned to the system when freed,
-# and the resident size follows the memory the tensors need.
-M_MMAP_THRESHOLD = -3
+# The memory phase pins glibc's mmap threshold (harness/memory.py): every tensor of 64 KiB or more
+# gets its own mapping, so the resident size follows the memory the tensors need.
 MEMORY_MMAP_THRESHOLD = 64 << 10
-def _status_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def reset_peak_memory():
-    """Start a fresh peak: hand freed heap back to the system, then reset the kernel's high-water
-    mark. Returns False where that is not possible (then the peak is the process's lifetime one)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_memory_bytes(reset_ok):
-    if reset_ok:
-        return _status_kib("VmHWM") * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # -- one contender, in its own process ----------------------------------------------------------
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
-def train_steps(model, opt, batch, loss_fn, n, timed, clock=time.perf_counter):
-    x, y = batch
-    for _ in range(n):
-        t0 = clock()
-        opt.zero_grad()
-        t1 = clock()
-        loss = loss_fn(model(x), y)
-        t2 = clock()
-        loss.backward()
-        t3 = clock()
-        opt.step()
-        t4 = clock()
-        timed.append((t2 - t1, t3 - t2, (t1 - t0) + (t4 - t3)))
+class Job:
+    """A contender's model, optimizer and batch: warm up, then rounds on request; at the end its
+    peak memory, the mode that ran and (when given a path) its final state for the check."""
 
-
-def warm_up_until_chosen(model, opt, batch, loss_fn, at_least, after=3):
-    """Mode auto watches, then measures its candidates: ``at_least`` steps and until it has chosen
-    (the report says so), then a few more in the chosen mode, so the timed rounds see only that
-    mode. Returns the steps taken beyond ``at_least``."""
-    train_steps(model, opt, batch, loss_fn, at_least, [])
-    for n in range(100_000):
-        auto = autopatch.report()["optimizers"][0].get("auto")
-        if auto and "chosen" in auto and not auto["measuring"]:
-            train_steps(model, opt, batch, loss_fn, after, [])
-            return n + after
-        train_steps(model, opt, batch, loss_fn, 1, [])
-    raise RuntimeError("mode auto did not choose within 100000 steps")
-
-
-def worker(conn, workload, contender, opts):
-    """Build, warm up, then run rounds on request; at the end report the peak memory and (when
-    given a path) save the final state for the check."""
-    try:
+    def __init__(self, workload, contender, opts):
         if opts["mmap_threshold"]:
-            ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, opts["mmap_threshold"])
+            pin_mmap_threshold(opts["mmap_threshold"])
         warnings.filterwarnings("ignore")
         torch.set_num_threads(opts["threads"])
         torch.manual_seed(0)
         _, build, opt_name = WORKLOADS[workload]
-        model, batch, loss_fn = build()
-        patched = contender in AUTOPATCH_MODES
-        if patched:
+        self.model, self.batch, self.loss_fn = build()
+        self.patched = contender in AUTOPATCH_MODES
+        if self.patched:
             fusion = {"observe_steps": opts["observe_steps"]}
             if opts["measure_steps"]:
                 fusion["measure_steps"] = opts["measure_steps"]
             autopatch.enable(mode=contender, chunk_bytes=opts["chunk_bytes"], fusion=fusion)
-        opt = make_optimizer(opt_name, model.parameters(), contender)
-        _, steps = conn.recv()    # warm up when told: ``steps``, or (auto, alone on the machine)
-        if steps is None:         # the policy's warm-up and until it has chosen
-            steps = opts["warmup"] + warm_up_until_chosen(model, opt, batch, loss_fn, opts["warmup"])
+        self.opt = make_optimizer(opt_name, self.model.parameters(), contender)
+        self.opts, self.reset_ok = opts, False
+
+    def hello(self):
+        params = list(self.model.parameters())
+        return {"tensors": len(params), "grad_bytes": sum(p.numel() * p.element_size() for p in params)}
+
+    def train(self, n, clock=time.perf_counter):
+        """(forward, backward, optimizer) seconds per step; optimizer is zero_grad plus step."""
+        out = []
+        for _ in range(n):
+            s = train_step(self.model, self.opt, self.batch, self.loss_fn, clock)
+            out.append((s.forward, s.backward, s.zero_grad + s.step))
+        return out
+
+    def warmup(self, steps):
+        """``steps`` steps; None (mode auto, alone on the machine): the policy's warm-up, until it
+        has chosen, then a few more in the chosen mode, so the timed rounds see only that mode."""
+        if steps is None:
+            self.train(self.opts["warmup"])
+            steps = self.opts["warmup"]
+            while not auto_has_chosen(autopatch.report()["optimizers"][0]):
+                self.train(1)
+                steps += 1
+                if steps > 100_000:
+                    raise RuntimeError("mode auto did not choose within 100000 steps")
+            self.train(3)
+            steps += 3
         else:
-            train_steps(model, opt, batch, loss_fn, steps, [])
-        params = list(model.parameters())
-        info = {"tensors": len(params), "grad_bytes": sum(p.numel() * p.element_size() for p in params),
-                "warmup_steps": steps}
-        info["reset_ok"] = reset_peak_memory()
-        conn.send(info)
-        while True:
-            cmd, arg = conn.recv()
-            if cmd == "run":
-                timed = []
-                train_steps(model, opt, batch, loss_fn, arg, timed, CLOCKS[opts["clock"]])
-                conn.send(timed)
-                continue
-            out = {"peak_bytes": peak_memory_bytes(info["reset_ok"])}
-            if patched:
-                rep = autopatch.report()["optimizers"][0]
-                out.update(mode=rep["mode"], reason=rep["reason"], auto=rep.get("auto"))
-            if arg:
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, arg)
-            if patched:
-                autopatch.disable()
-            conn.send(out)
-            return
-    except BaseException:
-        conn.send({"error": traceback.format_exc()})
+            self.train(steps)
+        self.reset_ok = reset_peak_memory()
+        return {"warmup_steps": steps, "reset_ok": self.reset_ok}
 
+    def run(self, n):
+        return self.train(n, CLOCKS[self.opts["clock"]])
 
-class Contender:
-    def __init__(self, ctx, workload, contender, opts, state_path):
-        self.name, self.state_path = contender, state_path
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=worker, args=(child, workload, contender, opts), daemon=True)
-        self.proc.start()
-        self.rounds = []      # per round: list of (forward, backward, optimizer) seconds
-        self.info = {}
-
-    def receive(self):
-        msg = self.conn.recv()
-        if isinstance(msg, dict) and "error" in msg:
-            raise RuntimeError(f"contender {self.name} failed:\n{msg['error']}")
-        return msg
-
-    def steps(self):
-        return [s for r in self.rounds for s in r]
+    def finish(self, state_path):
+        out = {"peak_bytes": peak_memory_bytes(self.reset_ok)}
+        if self.patched:
+            rep = autopatch.report()["optimizers"][0]
+            out.update(mode=rep["mode"], reason=rep["reason"], auto=rep.get("auto"))
+        if state_path:
+            torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}, state_path)
+        if self.patched:
+            autopatch.disable()
+        return out
 
 
 def run_workload(ctx, key, args, tmp, memory=False):
-    """All contenders of one workload, taking turns; returns them with their timings and reports.
+    """All contenders of one workload, taking turns; per contender its info (hello, warm-up,
+    finish), its rounds (per round, the (forward, backward, optimizer) seconds of each step) and
+    where its final state was saved.
 
     ``memory``: the memory phase instead, fresh processes with the mmap threshold pinned, warmed
     up just past the watch, then a few steps each; only their peaks are used.
@@ -328,25 +190,22 @@ def run_workload(ctx, key, args, tmp, memory=False):
                 mmap_threshold=MEMORY_MMAP_THRESHOLD if memory else None)
     rounds, steps = (1, args.memory_steps) if memory else (args.rounds, args.steps)
     names = [c for c in CONTENDERS if available(key, c) is None]
-    procs = [Contender(ctx, key, c, opts, None if memory else os.path.join(tmp, f"{key}-{c}.pt"))
-             for c in names]
-    auto = next(p for p in procs if p.name == "auto")
-    auto.conn.send(("warmup", None))     # alone: it measures; then it says how many steps
-    auto.info = auto.receive()
-    others = [p for p in procs if p is not auto]
-    for p in others:
-        p.conn.send(("warmup", auto.info["warmup_steps"]))
-    for p in others:
-        p.info = p.receive()
-    for i in range(rounds):
-        for p in procs[i % len(procs):] + procs[:i % len(procs)]:
-            p.conn.send(("run", steps))
-            p.rounds.append(p.receive())
-    for p in procs:
-        p.conn.send(("finish", p.state_path))
-        p.info.update(p.receive())
-        p.proc.join()
-    return procs
+    workers = {c: Worker(ctx, serve, Job, key, c, opts, timeout=TIMEOUT) for c in names}
+    runs = {c: {"info": w.answer(), "state": None if memory else os.path.join(tmp, f"{key}-{c}.pt")}
+            for c, w in workers.items()}
+    # Mode auto warms up alone: it measures; then it says how many steps the others take.
+    runs["auto"]["info"].update(workers["auto"].ask("warmup"))
+    others = [c for c in names if c != "auto"]
+    for c in others:
+        workers[c].send("warmup", runs["auto"]["info"]["warmup_steps"])
+    for c in others:
+        runs[c]["info"].update(workers[c].answer())
+    for c, got in in_turns(workers, rounds, "run", steps).items():
+        runs[c]["rounds"] = got
+    for c, w in workers.items():
+        runs[c]["info"].update(w.ask("finish", runs[c]["state"]))
+        w.close()
+    return runs
 
 
 # -- checking and reporting -------------------------------------------------------------------
@@ -355,29 +214,28 @@ def compare(ref_path, path):
     return compare_states(torch.load(ref_path), torch.load(path))
 
 
-def summarise(key, procs, memory_procs):
+def summarise(key, runs, memory_runs):
     """Per contender: medians, ratios against unpatched and multi_layer, memory, mode that ran."""
-    by = {p.name: p for p in procs}
-    ref = by["unpatched"]
-    peak = {p.name: p.info["peak_bytes"] / 2**20 for p in memory_procs}   # empty when skipped
+    ref = runs["unpatched"]
+    peak = {name: r["info"]["peak_bytes"] / 2**20 for name, r in memory_runs.items()}   # empty when skipped
     rows = {}
-    for p in procs:
-        steps = p.steps()
-        ratios = round_ratios(p.rounds, ref.rounds)
-        equal, worst = compare(ref.state_path, p.state_path)
-        if p.name in AUTOPATCH_MODES and not equal:
-            raise AssertionError(f"{key}: autopatch {p.name} did not train like unpatched "
+    for name, r in runs.items():
+        info, steps = r["info"], [s for rnd in r["rounds"] for s in rnd]
+        ratios = round_ratios(r["rounds"], ref["rounds"])
+        equal, worst = compare(ref["state"], r["state"])
+        if name in AUTOPATCH_MODES and not equal:
+            raise AssertionError(f"{key}: autopatch {name} did not train like unpatched "
                                  f"(largest weight difference {worst:.3g})")
-        rows[p.name] = {
+        rows[name] = {
             "total": median_ms([sum(s) for s in steps]), "ratio": statistics.median(ratios),
             "ratio_q": quartiles(ratios),
-            "vs_multi_layer": statistics.median(round_ratios(p.rounds, by["multi_layer"].rounds)),
+            "vs_multi_layer": statistics.median(round_ratios(r["rounds"], runs["multi_layer"]["rounds"])),
             **{ph: median_ms([s[i] for s in steps]) for i, ph in enumerate(PHASES)},
-            "peak_mb": peak.get(p.name),
-            "peak_delta_mb": peak[p.name] - peak["unpatched"] if peak else None,
-            "peak_delta_default_mb": (p.info["peak_bytes"] - ref.info["peak_bytes"]) / 2**20,
-            "equal": equal, "max_diff": worst, "mode": p.info.get("mode"), "reason": p.info.get("reason"),
-            "auto": p.info.get("auto"),
+            "peak_mb": peak.get(name),
+            "peak_delta_mb": peak[name] - peak["unpatched"] if peak else None,
+            "peak_delta_default_mb": (info["peak_bytes"] - ref["info"]["peak_bytes"]) / 2**20,
+            "equal": equal, "max_diff": worst, "mode": info.get("mode"), "reason": info.get("reason"),
+            "auto": info.get("auto"),
         }
     auto = rows["auto"]["auto"]
     # The fastest contender among the modes auto's watch allowed (off is unpatched here).
@@ -385,8 +243,8 @@ def summarise(key, procs, memory_procs):
     fastest = min(allowed, key=lambda m: rows["unpatched" if m == "off" else m]["ratio"])
     name = "unpatched" if fastest == "off" else fastest
     rows["auto"].update(fastest=fastest,
-                        vs_fastest=statistics.median(round_ratios(by["auto"].rounds, by[name].rounds)))
-    return ref.info, rows
+                        vs_fastest=statistics.median(round_ratios(runs["auto"]["rounds"], runs[name]["rounds"])))
+    return ref["info"], rows
 
 
 def results_table(results):
@@ -526,10 +384,6 @@ def plot(results, path, clock):
     fig.savefig(path, dpi=110)
 
 
-def machine():
-    return f"{os.cpu_count()} CPUs ({cpu_model()}), load average {load_average()}"
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
@@ -565,9 +419,8 @@ def main():
 
     started = time.perf_counter()
     ctx = multiprocessing.get_context("fork")
-    print(f"# bench_fusion_modes: {time.strftime('%Y-%m-%d %H:%M %Z')}, torch {torch.__version__}, "
-          f"python {platform.python_version()}, {machine()}")
-    print(f"# {autopatch_source()}; chunk_bytes {args.chunk_bytes}")
+    print(f"# bench_fusion_modes: {summary()}")
+    print(f"# chunk_bytes {args.chunk_bytes}")
     if args.clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu measures the calling thread only: use it with --threads 1")
     print(f"# {args.threads} torch thread(s) per contender, {args.clock} clock, "
@@ -578,7 +431,7 @@ def main():
         procs = {}
         for key in keys:
             procs[key] = (run_workload(ctx, key, args, tmp),
-                          [] if args.quick else run_workload(ctx, key, args, tmp, memory=True))
+                          {} if args.quick else run_workload(ctx, key, args, tmp, memory=True))
             print(f"  {key} done ({time.perf_counter() - started:.0f} s)", flush=True)
         # Tensor work in this process only now: no contender is forked after it.
         results = {key: summarise(key, *procs[key]) for key in keys}
@@ -603,8 +456,7 @@ def main():
         plot(results, args.plot, args.clock)
         print(f"\nPlot: {args.plot}")
     print(f"All autopatch contenders ended bit-for-bit equal to unpatched (model and optimizer state). "
-          f"Total {time.perf_counter() - started:.0f} s; load average at the end "
-          f"{load_average()}.")
+          f"{closing(started).capitalize()}.")
 
 
 if __name__ == "__main__":

@@ -73,14 +73,15 @@ import torch
 from torch import nn
 
 import autopatch
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from training import BertAdam  # noqa: E402  the hand-written optimizer the tests check bit for bit
-from run_context import (autopatch_source, compare_states, cpu_model, markdown,  # noqa: E402
-                         median_ms, quartiles, round_ratios)
-from bench_fusion_modes import mobilenet_v2 as in_repo_mobilenet_v2  # noqa: E402
-from bench_fusion_modes import peak_memory_bytes, reset_peak_memory  # noqa: E402
+from harness.alternation import median_ms, quartiles, round_ratios, turns
+from harness.machine import autopatch_source, cpu_model
+from harness.memory import peak_memory_bytes, reset_peak_memory, status_kib
+from harness.optimizers import BertAdam
+from harness.processes import Skip, Worker, WorkerError, serve
+from harness.report import first_line, markdown
+from harness.states import compare_states
+from harness.workloads import mobilenet_v2 as in_repo_mobilenet_v2
+from harness.workloads import square_loss, token_loss
 
 try:
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -206,14 +207,6 @@ def build(key, device):
     return model, forward, (x.to(device), None if y is None else y.to(device)), loss, bf16
 
 
-def token_loss(logits, targets):
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def square_loss(out, _):
-    return out.square().mean()
-
-
 def make_optimizer(name, model, **options):
     """Two param groups, as training recipes have them: weights with decay, biases and norms without."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -263,10 +256,6 @@ def unavailable(key, contender):
     if contender.options and WORKLOADS[key].optimizer == "BertAdam":
         return "the hand-written optimizer has no foreach/fused option"
     return None
-
-
-class Skip(Exception):
-    """This contender cannot run here (unknown policy, option torch refuses, no FSDP2): a note."""
 
 
 # -- one contender, in its own process --------------------------------------------------------------
@@ -437,26 +426,6 @@ def shard(model, device):
         raise Skip(f"FSDP2 could not be set up: {type(e).__name__}: {e}") from None
 
 
-def serve(conn, make):
-    """A worker: build with ``make()``, answer its hello, then commands until 'finish'."""
-    try:
-        job = make()
-        conn.send(job.hello())
-        while True:
-            cmd, arg = conn.recv()
-            conn.send(getattr(job, cmd)(arg))
-            if cmd == "finish":
-                return
-    except Skip as e:
-        conn.send({"skip": str(e)})
-    except BaseException:
-        conn.send({"error": traceback.format_exc()})
-
-
-def timing_worker(conn, key, contender, opts):
-    serve(conn, lambda: Job(key, contender, opts))
-
-
 def check_worker(conn, key, contender, opts, path, reference):
     """Train --check-steps steps deterministically; the reference saves its state, the others compare."""
     try:
@@ -541,50 +510,6 @@ def count(n):
     return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
-def status_kib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-# -- orchestration ------------------------------------------------------------------------------
-class WorkerError(Exception):
-    pass
-
-
-class Worker:
-    """A process and its pipe; every answer waited for with a time limit."""
-
-    def __init__(self, ctx, target, *args, timeout):
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-        self.proc.start()
-        child.close()
-        self.timeout = timeout
-
-    def answer(self):
-        if not self.conn.poll(self.timeout):
-            self.proc.kill()
-            raise WorkerError(f"no answer within {self.timeout} s (killed)")
-        try:
-            msg = self.conn.recv()
-        except EOFError:
-            self.proc.join(10)
-            raise WorkerError(f"the process died (exit code {self.proc.exitcode})") from None
-        if isinstance(msg, dict) and "error" in msg:
-            raise WorkerError(msg["error"])
-        return msg
-
-    def ask(self, cmd, arg=None):
-        self.conn.send((cmd, arg))
-        return self.answer()
-
-    def close(self):
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-
-
 def measure(ctx, key, contenders, opts):
     """All contenders of one workload, taking turns; per contender its raw figures or why it has none."""
     results, live = {}, {}
@@ -592,7 +517,7 @@ def measure(ctx, key, contenders, opts):
         why = unavailable(key, c)
         results[c.name] = {"label": c.label, "status": "n/a", "note": why} if why else {"label": c.label}
         if not why:
-            live[c.name] = Worker(ctx, timing_worker, key, c, opts, timeout=opts["timeout"])
+            live[c.name] = Worker(ctx, serve, Job, key, c, opts, timeout=opts["timeout"])
 
     def drop(name, status, note):
         results[name].update(status=status, note=note)
@@ -616,19 +541,16 @@ def measure(ctx, key, contenders, opts):
 
     each(hello)
     each(lambda name, w: results[name].update(warmup=w.ask("warm_up", opts["warmup"])))
-    for i in range(opts["rounds"]):
+    for _, name in turns(live, opts["rounds"]):
         if "unpatched" not in live:
             break
-        names = list(live)
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            if name in live:
-                try:
-                    turn = live[name].ask("turn", opts["steps"])
-                except WorkerError as e:
-                    drop(name, "failed", str(e))
-                    continue
-                results[name]["rounds"].append(turn["steps"])
-                results[name]["peaks"].append(turn["peak"])
+        try:
+            turn = live[name].ask("turn", opts["steps"])
+        except WorkerError as e:
+            drop(name, "failed", str(e))
+            continue
+        results[name]["rounds"].append(turn["steps"])
+        results[name]["peaks"].append(turn["peak"])
     each(lambda name, w: results[name].update(final=w.ask("finish", opts["sync_check"])))
     for w in live.values():
         w.close()
@@ -735,11 +657,6 @@ def table(title, rows_by_key, device, checks=None, sync=True):
                             + [""] * 5 + extra)
             label = ""
     return f"## {title}\n\n" + markdown(header, rows)
-
-
-def first_line(text):
-    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
-    return (lines[-1] if lines and lines[0].startswith("Traceback") else lines[0] if lines else "")[:200]
 
 
 def notes(rows_by_key, checks=None):
@@ -926,6 +843,9 @@ def run_max_model(ctx, args, opts, info, tmp):
 
 
 # -- main -----------------------------------------------------------------------------------------
+HARNESS_MODULES = ("alternation", "machine", "memory", "optimizers", "processes", "report", "states", "workloads")
+
+
 def select_workloads(spec, ap):
     keys = []
     for token in (t for t in spec.split(",") if t):
@@ -991,7 +911,7 @@ def main():
     ctx = multiprocessing.get_context("forkserver")
     # Imported once in the fork server, so each contender starts in milliseconds. Named one by one:
     # the server does not import the main script itself.
-    ctx.set_forkserver_preload(["torch", "autopatch", "run_context", "training", "bench_fusion_modes"]
+    ctx.set_forkserver_preload(["torch", "autopatch"] + [f"harness.{m}" for m in HARNESS_MODULES]
                                + ([] if TRANSFORMERS else ["transformers.models.gpt2.modeling_gpt2"])
                                + ([] if TORCHVISION else ["torchvision.models"]))
     started = time.perf_counter()

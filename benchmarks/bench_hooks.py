@@ -25,59 +25,55 @@ import multiprocessing
 import statistics
 import sys
 import time
-import traceback
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_context import autopatch_revision, cpu_model, load_average, markdown  # noqa: E402
+import autopatch
+from harness.machine import load_average, summary
+from harness.processes import Worker, in_turns, serve
+from harness.report import markdown
 
 CONTENDERS = ("unpatched", "empty hook", "backward")
 
 
-def build(n_params, size):
-    torch.manual_seed(0)
-    params = nn.ParameterList(nn.Parameter(torch.randn(size)) for _ in range(n_params))
-    return params, torch.randn(size)
+class Job:
+    """One contender: its parameters, hooks and optimizer, warmed up; backward passes on request."""
 
-
-def worker(conn, contender, args):
-    try:
+    def __init__(self, contender, args):
         torch.set_num_threads(1)
-        import autopatch
-        params, x = build(args.params, args.size)
-        if contender == "backward":
+        torch.manual_seed(0)
+        self.params = nn.ParameterList(nn.Parameter(torch.randn(args.size)) for _ in range(args.params))
+        self.x = torch.randn(args.size)
+        self.patched = contender == "backward"
+        if self.patched:
             autopatch.enable(mode="backward", fusion={"observe_steps": 1})
         elif contender == "empty hook":
-            for p in params:
+            for p in self.params:
                 p.register_post_accumulate_grad_hook(lambda p: None)
-        opt = torch.optim.SGD(params, lr=1e-3)
+        self.opt = torch.optim.SGD(self.params, lr=1e-3)
+        self.run(args.warmup)
 
-        def step(times):
-            opt.zero_grad()
-            loss = sum((p * x).sum() for p in params)
-            t0 = time.thread_time()
-            loss.backward()
-            times.append(time.thread_time() - t0)
-            opt.step()
-        for _ in range(args.warmup):
-            step([])
-        conn.send("ready")
-        while True:
-            cmd = conn.recv()
-            if cmd == "done":
-                rep = autopatch.report()["optimizers"] if contender == "backward" else []
-                conn.send({"mode": rep[0]["mode"] if rep else None,
-                           "in_backward": rep[0].get("fusion", {}).get("chunk_updates_in_backward") if rep else None})
-                return
-            times = []
-            for _ in range(cmd):
-                step(times)
-            conn.send(times)
-    except BaseException:
-        conn.send({"error": traceback.format_exc()})
+    def hello(self):
+        return "ready"
+
+    def step(self):
+        """One training step; returns the thread CPU time of its backward pass."""
+        self.opt.zero_grad()
+        loss = sum((p * self.x).sum() for p in self.params)
+        t0 = time.thread_time()
+        loss.backward()
+        took = time.thread_time() - t0
+        self.opt.step()
+        return took
+
+    def run(self, steps):
+        return [self.step() for _ in range(steps)]
+
+    def finish(self, _):
+        rep = autopatch.report()["optimizers"] if self.patched else []
+        return {"mode": rep[0]["mode"] if rep else None,
+                "in_backward": rep[0].get("fusion", {}).get("chunk_updates_in_backward") if rep else None}
 
 
 def main():
@@ -90,26 +86,16 @@ def main():
     args = ap.parse_args()
 
     ctx = multiprocessing.get_context("fork")
-    procs = {}
-    for name in CONTENDERS:
-        conn, child = ctx.Pipe()
-        ctx.Process(target=worker, args=(child, name, args), daemon=True).start()
-        procs[name] = conn
-    for name, conn in procs.items():
-        msg = conn.recv()
-        if msg != "ready":
-            sys.exit(f"{name} failed:\n{msg['error']}")
+    workers = {name: Worker(ctx, serve, Job, name, args, timeout=600) for name in CONTENDERS}
+    for w in workers.values():
+        w.answer()
     load0 = load_average()
-    per_round = {name: [] for name in CONTENDERS}
-    for r in range(args.rounds):
-        order = CONTENDERS[r % len(CONTENDERS):] + CONTENDERS[:r % len(CONTENDERS)]
-        for name in order:
-            procs[name].send(args.steps)
-            per_round[name].append(statistics.median(procs[name].recv()))
+    per_round = {name: [statistics.median(times) for times in rounds]
+                 for name, rounds in in_turns(workers, args.rounds, "run", args.steps).items()}
     info = {}
-    for name, conn in procs.items():
-        conn.send("done")
-        info[name] = conn.recv()
+    for name, w in workers.items():
+        info[name] = w.ask("finish")
+        w.close()
     if info["backward"]["mode"] != "backward":
         sys.exit(f"autopatch ran mode {info['backward']['mode']}, not backward")
 
@@ -119,8 +105,7 @@ def main():
         med = statistics.median(per_round[name])
         extra = [(a - b) / args.params * 1e6 for a, b in zip(per_round[name], base)]
         rows.append([name, f"{med * 1e3:.2f}", "" if name == "unpatched" else f"{statistics.median(extra):.2f}"])
-    print(f"autopatch {autopatch_revision()}, torch {torch.__version__}, {cpu_model()}, "
-          f"load average {load0} -> {load_average()}")
+    print(f"{summary()} (at start: {load0})")
     print(f"{args.params} parameters of {args.size} elements, SGD, 1 thread; {args.rounds} rounds x "
           f"{args.steps} backward passes; chunk updates inside backward per step: "
           f"{info['backward']['in_backward'] / ((args.rounds * args.steps + args.warmup) or 1):.1f}\n")

@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness.launch import child_env
+
 STEPS = 150
 AUTOTUNE_ENV = {"FUSEDOPT_ENABLE": "1", "FUSEDOPT_POLICY": "autotune",
                 "FUSEDOPT_AUTOTUNE_TRIAL_SECONDS": "0.3", "FUSEDOPT_AUTOTUNE_WARMUP_SECONDS": "0"}
@@ -53,7 +55,7 @@ def fit(weights_path):
 
 def run(tmp, name, env):
     weights, report = os.path.join(tmp, f"{name}.pt"), os.path.join(tmp, f"{name}.json")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDOPT_")} | env
+    env = child_env(**env)
     if env.get("FUSEDOPT_ENABLE"):
         env["FUSEDOPT_REPORT"] = report
     subprocess.run([sys.executable, __file__, "--fit", weights], env=env, check=True,

@@ -30,6 +30,9 @@ import time
 import timeit
 from pathlib import Path
 
+from harness.alternation import rotated
+from harness.launch import child_env
+
 OURS = re.compile(r"^(_editable_impl_|__editable__\.)?autopatch([-._].*)?$")
 
 
@@ -64,7 +67,8 @@ def main():
     pth = args.site / "autopatch.pth"
     if not pth.is_file():
         sys.exit(f"{pth} not found: install autopatch there first")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEDOPT_") and k != "PYTHONPATH"}
+    env = child_env()
+    env.pop("PYTHONPATH", None)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_startup_"))
     try:
@@ -78,9 +82,8 @@ def main():
             assert on == ("True" if name == "with" else "False"), (name, on)
 
         medians = {"with": [], "without": [], "enabled": []}
-        order = ["with", "without"]
         for r in range(args.rounds):
-            for name in (order if r % 2 == 0 else order[::-1]):
+            for name in rotated(("with", "without"), r):
                 medians[name].append(statistics.median(time_once(sides[name], env) for _ in range(args.per_round)))
             medians["enabled"].append(statistics.median(
                 time_once(sides["with"], dict(env, FUSEDOPT_ENABLE="1")) for _ in range(args.per_round)))

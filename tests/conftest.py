@@ -14,13 +14,15 @@ import autopatch
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
+# What a test subprocess imports from: ``training`` and the benchmark harness it takes BertAdam from.
+IMPORT_PATH = os.pathsep.join([str(TESTS), str(ROOT / "benchmarks")])
 
 
 def clean_env(**extra):
     """This environment without FUSEDOPT_* or launcher variables; ``training`` importable."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("FUSEDOPT_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = str(TESTS)
+    env["PYTHONPATH"] = IMPORT_PATH
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -2,6 +2,7 @@
 bad policies, strict mode, the report file, torchrun workers, and a wheel in a fresh venv."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TESTS, clean_env, run_python, site_packages, write_script
+from conftest import IMPORT_PATH, ROOT, TESTS, clean_env, run_python, site_packages, write_script
 
 pytestmark = pytest.mark.usefixtures("installed")
 
@@ -131,7 +132,7 @@ def _broken(tmp_path, module):
     pkg = tmp_path / "broken" / module
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(f"raise ImportError('{module} is broken')\n")
-    return f"{tmp_path / 'broken'}:{TESTS}"
+    return f"{tmp_path / 'broken'}{os.pathsep}{IMPORT_PATH}"
 
 
 @pytest.mark.parametrize("module", ["wrapt", "yaml"])

@@ -1,0 +1,148 @@
+"""Gloo ranks on a slower network than loopback, on one machine: 10 Gbit/s, 1 Gbit/s, 100 Mbit/s,
+or a rate with an added one-way delay (1 Gbit/s + 5 ms), in private network namespaces made for
+the run and deleted afterwards, whatever happens. Needs root (``ip netns``, ``tc``, TUN).
+
+    from harness.netns import run_ranks_shaped
+    ranks = run_ranks_shaped([script, "--worker"], 4, rate="1gbit", delay="5ms", timeout=300)
+
+runs the ranks exactly as ``launch.run_ranks`` does (the same environment, return codes, outputs
+and a results file per rank), with MASTER_ADDR and GLOO_SOCKET_IFNAME pointing at the shaped
+network. ``shaped_network(world_size, rate, delay)`` is the network alone, as a context manager.
+
+The link is shared: every rank's packets cross one link of ``rate`` (as on one switch port), so a
+ring all_reduce of S bytes over N ranks puts 2 (N - 1) S bytes through it.
+
+- Without delay, the ranks share one namespace whose loopback the kernel shapes (``tbf``).
+- With a delay, each rank has a namespace of its own reaching the others through a TUN device,
+  and ``delay_line.py`` (a process of its own) carries their packets at ``rate`` and delivers
+  each ``delay`` after it crossed: the kernel's netem would do the same, but kernels built
+  without it (``CONFIG_NET_SCH_NETEM``) are common in containers. A round trip takes twice the
+  delay. The delay line's timer resolution is about a millisecond.
+"""
+
+import itertools
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+from . import delay_line
+from .launch import run_ranks
+
+LOOPBACK_MTU = 65536
+_names = itertools.count()
+
+
+class ShapingUnavailable(RuntimeError):
+    """This machine cannot make the network asked for (not root, no tc or TUN)."""
+
+
+def bits_per_second(rate):
+    """tc's rate units (``10gbit``, ``1gbit``, ``100mbit``, ``500kbit``) as bits per second."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())
+    if not m:
+        raise ValueError(f"rate {rate!r}: expected a number and kbit, mbit or gbit (tc's units)")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+def seconds(delay):
+    """tc's time units (``5ms``, ``200us``, ``1s``) as seconds."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(us|ms|s)", delay.strip().lower())
+    if not m:
+        raise ValueError(f"delay {delay!r}: expected a number and us, ms or s (tc's units)")
+    return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
+
+
+def _ip(*args, timeout=10):
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise ShapingUnavailable(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+@contextmanager
+def namespace(timeout=10):
+    """A fresh network namespace with its loopback up; yields its name. Whatever still runs in it
+    was started in it by us: it is killed, and the namespace deleted, on the way out."""
+    name = f"shaped-{os.getpid()}-{next(_names)}"
+    _ip("netns", "add", name, timeout=timeout)
+    try:
+        _ip("netns", "exec", name, "ip", "link", "set", "lo", "up", timeout=timeout)
+        yield name
+    finally:
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
+                              timeout=timeout).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=timeout)
+
+
+def tbf_arguments(rate):
+    """A token bucket at ``rate``: a bucket of one millisecond at that rate but never below two
+    loopback packets (a packet larger than the bucket could never leave), and a queue deep enough
+    that TCP on loopback is slowed, not dropped."""
+    bytes_per_s = bits_per_second(rate) / 8
+    burst = max(2 * LOOPBACK_MTU, int(bytes_per_s / 1000))
+    limit = max(4 * burst, int(bytes_per_s / 4))          # a quarter of a second of traffic
+    return ["tbf", "rate", rate, "burst", str(burst), "limit", str(limit)]
+
+
+class Network:
+    """Where each rank runs: ``where`` for launch.run_ranks."""
+
+    def __init__(self, namespaces, address, device):
+        self.namespaces, self.address, self.device = namespaces, address, device
+
+    def where(self, rank):
+        ns = self.namespaces[rank % len(self.namespaces)]
+        return ("ip", "netns", "exec", ns), {"MASTER_ADDR": self.address(0), "GLOO_SOCKET_IFNAME": self.device}
+
+
+@contextmanager
+def shaped_network(world_size, rate, delay=None, *, timeout=10):
+    """Namespaces for ``world_size`` ranks joined by a link of ``rate`` (and ``delay``); yields a
+    Network. Everything made for it is gone again on the way out."""
+    bits_per_second(rate)
+    with ExitStack() as stack:
+        if not delay:
+            ns = stack.enter_context(namespace(timeout))
+            _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", *tbf_arguments(rate), timeout=timeout)
+            yield Network([ns], lambda rank: "127.0.0.1", "lo")
+            return
+        names = [stack.enter_context(namespace(timeout)) for _ in range(world_size)]
+        for rank, ns in enumerate(names):
+            inside = ("netns", "exec", ns, "ip")
+            _ip(*inside, "tuntap", "add", "dev", delay_line.DEVICE, "mode", "tun", timeout=timeout)
+            _ip(*inside, "addr", "add", f"{delay_line.address(rank)}/24", "dev", delay_line.DEVICE, timeout=timeout)
+            _ip(*inside, "link", "set", delay_line.DEVICE, "mtu", str(delay_line.MTU), "up", timeout=timeout)
+        stack.enter_context(_forwarding(names, bits_per_second(rate), seconds(delay), timeout))
+        yield Network(names, delay_line.address, delay_line.DEVICE)
+
+
+@contextmanager
+def _forwarding(names, rate, delay, timeout):
+    """delay_line.py running for ``names``, killed on the way out."""
+    proc = subprocess.Popen([sys.executable, str(Path(delay_line.__file__)), str(rate), str(delay), *names],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        if not ready or proc.stdout.readline().strip() != "ready":
+            proc.kill()
+            raise ShapingUnavailable(f"the delay line did not start: {proc.stderr.read().strip()[-500:]}")
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def run_ranks_shaped(argv, world_size, rate, delay=None, **launch):
+    """``launch.run_ranks`` on a network of ``rate`` (and ``delay``) made for the call."""
+    with shaped_network(world_size, rate, delay) as network:
+        return run_ranks(argv, world_size, where=network.where, **launch)
