@@ -26,21 +26,16 @@ the best config so far, saying why in the report and on stderr.
 """
 
 import math
-import os
-import statistics
 import sys
-import tempfile
 import time
 
 from .. import dist
-from ..reporting.step_timer import Window
 from . import score
 from .knobs import RunKnobs, choosing_mode
 from .space import Space
-from .trials_log import CsvLog, load_best, save_best
-
-SETTLE = 1
-BEST_NAME = "autotune_best.json"
+from .running_trial import SETTLE, RunningTrial
+from .trials import TrialBook
+from .trials_log import best_path, fit_resumed, read_resume, save_best
 
 
 class Autotuner:
@@ -49,35 +44,22 @@ class Autotuner:
         self.cfg = cfg = session.policy.autotune
         self.phase = "warmup"
         self.until = max(1, cfg.warmup_steps)
-        self.knobs = self.space = self.tuner = self.csv = None
+        self.knobs = self.space = self.tuner = None
         self.left_out, self.notes = {}, []
-        self.trials, self.best, self.current = [], None, None
-        self.start_config = None     # the run's config when the search began
-        self.unsafe_modes = {}       # mode -> why the run cannot use it (found while searching)
+        self.book = TrialBook(board)
+        self.current = None
         self.failure = None          # why the search stopped early, if it did
         self.applied = []            # [iteration, config] decided, as applied on this rank
         self.samples_per_step = None
         self.decision_seconds = 0.0
         self.started = self.search_started = self.search_ended = None
         self.best_path = None
-        self.resume_config = self._load_resume()
+        self.resume_config, note = read_resume(cfg.resume) if cfg.resume else (None, None)
+        self.notes += [note] if note else []
         self._acc = timer.accumulator()
         self._step_time = None       # seconds per iteration, last measured: sizes the next trial
         self._ticks = timer.subscribe(self._tick)
         session.add_report_section("autotune", self.describe)
-
-    def _load_resume(self):
-        path = self.cfg.resume
-        if not path:
-            return None
-        if not os.path.exists(path):
-            self.notes.append(f"resume file {path} does not exist yet: searching, the best goes there")
-            return None
-        try:
-            return load_best(path)
-        except (OSError, ValueError) as e:
-            self.notes.append(f"resume ignored, searching instead: {e}")
-            return None
 
     # -- the clock ---------------------------------------------------------------------------
     def _tick(self, timer):
@@ -111,29 +93,18 @@ class Autotuner:
             try:
                 decision = decide()
             except Exception as e:
-                decision = {"phase": "frozen", "config": self._fallback(),
-                            "trial": self.best["trial"] if self.best else None,
-                            "failed": f"{type(e).__name__}: {e}"}
+                decision = self._frozen(failed=f"{type(e).__name__}: {e}")
         self._follow(dist.agree(decision), it)
         self.decision_seconds += time.perf_counter() - t0
 
     def _window(self, it):
         """Close a full window (timings count on rank 0), and at the planned iterations switch
         between candidate and incumbent (every rank, from the same decision)."""
-        cur = self.current
-        index, pos = divmod(it - cur["start"], SETTLE + cur["per_window"])
-        if pos == SETTLE:
-            self._acc.take()        # the settling iteration
-        elif pos == 0:
-            w = self._acc.take()
-            side = "candidate" if index % 2 or cur["incumbent"] is None else "incumbent"
-            cur["rates"][side].append(score.rate(w, self.samples_per_step))
-            if side == "candidate":
-                cur["window"].add(w)
-            if cur["incumbent"] is not None and index < self.cfg.windows:
-                if self.board is not None:
-                    self.board.flush_window()
-                self.knobs.apply(cur["incumbent"] if index % 2 else cur["config"])
+        side = self.current.at(it, self._acc, self.samples_per_step, self.cfg.windows)
+        if side is not None:
+            if self.board is not None:
+                self.board.flush_window()
+            self.knobs.apply(side)
 
     # -- rank 0 decides -----------------------------------------------------------------------
     def _decide(self, it):
@@ -160,12 +131,8 @@ class Autotuner:
             self.notes.append("the mode knob leaves out " + "; ".join(
                 f"{m} ({why})" for m, why in self.knobs.ruled_out.items()))
         if self.resume_config is not None:
-            config = {k: v for k, v in self.resume_config.items() if k in bounds}
-            for k in set(self.resume_config) - set(config):
-                self.notes.append(f"resumed knob {k} does not apply to this run: left as is")
-            if config.get("mode", "off") not in bounds.get("mode", ("off",)):
-                self.notes.append(f"resumed mode {config.pop('mode')} is not allowed for this run: left as is")
-            return {"phase": "frozen", "config": config, "resumed": self.cfg.resume}
+            return {"phase": "frozen", "config": fit_resumed(self.resume_config, bounds, self.notes),
+                    "resumed": self.cfg.resume}
         if not bounds:
             self.notes.append("no knob applies to this run: nothing to tune")
             return {"phase": "frozen", "config": {}}
@@ -179,89 +146,58 @@ class Autotuner:
         batch = self.cfg.batch_size or score.detect_batch_size()
         self.samples_per_step = batch * dist.world_size() if batch else None
         if self.cfg.log_csv:
-            self.csv = CsvLog(self.cfg.log_csv, self.space.names)
+            self.book.log_to(self.cfg.log_csv, self.space.names)
         if self.board is not None:
             self.board.samples_per_step = self.samples_per_step
             self.board.space(bounds, score.unit(self.samples_per_step))
         self._step_time = self._step_seconds()
-        self.start_config = self.knobs.current(bounds)
-        return self._trial(0, self.start_config, it)
+        self.book.start_config = self.knobs.current(bounds)
+        return self._trial(0, self.book.start_config, it)
 
     def _trial(self, index, config, it):
         windows = self.cfg.windows
         per_window = max(1, round(self.cfg.trial_seconds / windows / self._step_seconds()))
-        incumbent = self.best["config"] if self.best else None
+        incumbent = self.book.best["config"] if self.book.best else None
         return {"phase": "trial", "trial": index, "config": config, "per_window": per_window,
                 "incumbent": incumbent, "until": it + windows * (SETTLE + per_window)}
 
     def _end_trial(self, it):
-        cur, w = self.current, self.current["window"]
-        raw = statistics.median(cur["rates"]["candidate"])
-        reference = statistics.median(cur["rates"]["incumbent"]) if cur["rates"]["incumbent"] else None
-        scored = raw * self.best["score"] / reference if reference else raw
-        # step_ms is the time per step the score stands for, load-corrected like it, so the two
-        # always rank trials alike; breakdown_ms is the mean the candidate's windows measured,
-        # under whatever load this trial ran.
-        rec = {"trial": cur["trial"], "config": cur["config"], "score": scored, "raw_score": raw,
-               "step_ms": 1e3 * (self.samples_per_step or 1) / scored,
-               "incumbent_now": reference, "train_iter": it, "windows": cur["rates"], "modes": cur["modes"],
-               "seconds": time.perf_counter() - cur["t0"], "steps": it - cur["start"],
-               "started": cur["started"], "breakdown_ms": w.breakdown_ms()}
-        self.trials.append(rec)
+        best = self.book.best
+        rec = self.current.scored(it, best["score"] if best else None, self.samples_per_step)
+        self.book.add(rec)
         self.tuner.register(rec["config"], rec["score"])
-        if self.best is None or rec["score"] > self.best["score"]:
-            self.best = rec
-        if self.csv:
-            self.csv.add(rec["config"], rec["score"], it)
-        if self.board is not None:
-            self.board.trial_done(rec)
-        self._step_time = w.seconds / w.steps
+        self._step_time = self.current.step_seconds()
         return self._next(it)
 
     def _next(self, it):
-        nxt = self.tuner.suggest() if len(self.trials) < self.cfg.max_samples else None
+        nxt = self.tuner.suggest() if len(self.book.trials) < self.cfg.max_samples else None
         if nxt is None:
-            return {"phase": "frozen", "config": self._fallback(),
-                    "trial": self.best["trial"] if self.best else None}
-        return self._trial(len(self.trials), nxt, it)
+            return self._frozen()
+        return self._trial(len(self.book.trials), nxt, it)
 
-    def _fallback(self):
-        """The best config so far, else the starting one (off for a mode found unsafe)."""
-        if self.best is not None:
-            return self.best["config"]
-        config = dict(self.start_config or {})
-        if config.get("mode") in self.unsafe_modes:
-            config["mode"] = "off"
-        return config
+    def _frozen(self, **extra):
+        """The decision to stop searching and keep the best config so far."""
+        best = self.book.best
+        return {"phase": "frozen", "config": self.book.fallback(), "trial": best["trial"] if best else None,
+                **extra}
 
     def _abandon(self, it, blocked):
         """Modes the run showed it cannot use: never proposed again; a trial running one of them
         (as candidate: it fails; as incumbent: it is dropped) ends, and the best config that
         remains runs until the next trial."""
-        self.unsafe_modes.update(blocked)
+        self.book.drop_modes(blocked)
         if self.tuner is not None:
             self.tuner.exclude("mode", set(blocked))
-        usable = [t for t in self.trials if t["score"] is not None
-                  and t["config"].get("mode") not in self.unsafe_modes]
-        self.best = max(usable, key=lambda t: t["score"], default=None)
         cur = self.current
-        restore = {"phase": "restore", "config": self._fallback(), "until": it + SETTLE + 1}
+        restore = {"phase": "restore", "config": self.book.fallback(), "until": it + SETTLE + 1}
         if cur is None:
             return restore if self.phase == "restore" else {"phase": self.phase, "until": self.until, "keep": True}
         why = "; ".join(f"{m} became unsafe: {w}" for m, w in blocked.items())
-        if cur["config"].get("mode") in blocked:
-            rec = {"trial": cur["trial"], "config": cur["config"], "score": None, "raw_score": None,
-                   "failed": why, "train_iter": it, "modes": cur["modes"],
-                   "seconds": time.perf_counter() - cur["t0"], "steps": it - cur["start"],
-                   "started": cur["started"], "breakdown_ms": cur["window"].breakdown_ms()}
-            self.trials.append(rec)
-            if self.csv:
-                self.csv.add(rec["config"], "failed", it)
-            if self.board is not None:
-                self.board.trial_done(rec)
+        if cur.config.get("mode") in blocked:
+            self.book.add_failed(cur.failed(it, why))
             return restore
-        if (cur["incumbent"] or {}).get("mode") in blocked:
-            self.notes.append(f"trial {cur['trial']} dropped: its incumbent's mode {why}")
+        if (cur.incumbent or {}).get("mode") in blocked:
+            self.notes.append(f"trial {cur.trial} dropped: its incumbent's mode {why}")
             return restore
         return {"phase": self.phase, "until": self.until, "keep": True}
 
@@ -283,10 +219,7 @@ class Autotuner:
             self.current = None
             return
         if self.phase == "trial":
-            self.current = {"trial": decision["trial"], "config": decision["config"], "start": it,
-                            "per_window": decision["per_window"], "incumbent": decision["incumbent"],
-                            "rates": {"candidate": [], "incumbent": []}, "modes": modes,
-                            "t0": time.perf_counter(), "started": time.time(), "window": Window()}
+            self.current = RunningTrial(decision, it, modes)
             self._acc.take()
             if self.board is not None:
                 self.board.trial = decision["trial"]
@@ -303,32 +236,19 @@ class Autotuner:
             self.board.trial = None
         if not dist.is_decider() or decision["config"] == {}:
             return
-        rec = {"config": decision["config"], "trial": decision.get("trial"),
-               "score": self.best["score"] if self.best else None, "unit": score.unit(self.samples_per_step),
-               "improvement": self._improvement(), "resumed": decision.get("resumed"),
-               "trials": len(self.trials), "policy": self.session.policy.source}
+        rec = self.book.frozen(decision, score.unit(self.samples_per_step), self.session.policy.source)
         if not decision.get("resumed"):
-            self.best_path = self._best_path()
+            self.best_path = best_path(self.cfg, self.session.policy.logging.tensorboard_dir)
             save_best(self.best_path, rec)
         if self.board is not None:
             self.board.frozen({**rec, "best_json": self.best_path})
-
-    def _best_path(self):
-        cfg, logdir = self.cfg, self.session.policy.logging.tensorboard_dir
-        return (cfg.save_best or cfg.resume or (os.path.join(logdir, BEST_NAME) if logdir else None)
-                or os.path.join(tempfile.gettempdir(), "autopatch_" + BEST_NAME))
-
-    def _improvement(self):
-        if not self.trials or not self.trials[0]["score"] or self.best is None:
-            return None
-        return self.best["score"] / self.trials[0]["score"] - 1
 
     def _stop(self, reason):
         """A failure of the tuner itself, on this rank: keep the best config so far and stop."""
         config = None
         try:
             if self.knobs is not None:
-                config = self._fallback()
+                config = self.book.fallback()
                 self.knobs.resync()
                 self.knobs.apply(config)
         except Exception as e:
@@ -344,21 +264,10 @@ class Autotuner:
         kept = f"keeping {config}" if config else "keeping the config in effect"
         self.notes.append(f"autotune stopped: {reason}; {kept}")
         if dist.is_decider():
-            print(f"autopatch: autotune stopped after {len(self.trials)} trial(s): {reason}; {kept}",
+            print(f"autopatch: autotune stopped after {len(self.book.trials)} trial(s): {reason}; {kept}",
                   file=sys.stderr)
 
     # -- the report -------------------------------------------------------------------------
-    def _cost(self):
-        """What the search cost: its wall time, the time spent deciding and switching, and the
-        time lost against having run the best config from the start."""
-        if self.search_started is None or not self.best:
-            return None
-        best_step = (self.samples_per_step or 1) / self.best["score"]
-        end = self.search_ended or time.perf_counter()
-        return {"search_seconds": round(end - self.search_started, 4),
-                "decision_seconds": round(self.decision_seconds, 4),
-                "lost_seconds": round(sum(max(0.0, t["seconds"] - t["steps"] * best_step) for t in self.trials), 4)}
-
     def describe(self):
         out = {"active": True, "phase": self.phase, "applied": self.applied,
                "left_out": self.left_out, "notes": self.notes}
@@ -369,13 +278,11 @@ class Autotuner:
             out["ruled_out_modes"] = dict(self.knobs.ruled_out)
         if self.failure:
             out["failed"] = self.failure
-        if self.trials:
-            out["trials"] = [{k: t[k] for k in ("trial", "config", "score", "train_iter", "modes", "failed")
-                              if k in t} for t in self.trials]
-            out["best"] = {k: self.best[k] for k in ("trial", "config", "score")} if self.best else None
-            out["improvement_over_start"] = self._improvement()
-            out["cost"] = self._cost()
-        out["log_csv"] = self.csv.path if self.csv else None
+        out.update(self.book.describe())
+        if self.book.trials:
+            searched = None if self.search_started is None else \
+                (self.search_ended or time.perf_counter()) - self.search_started
+            out["cost"] = self.book.cost(searched, self.decision_seconds, self.samples_per_step)
         out["best_json"] = self.best_path
         out["resumed_from"] = self.cfg.resume if self.resume_config is not None else None
         return out

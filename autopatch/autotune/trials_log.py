@@ -7,8 +7,10 @@ trial ended), exactly like Bagua's ``bagua_autotune_*.log``, so existing scripts
 import csv
 import json
 import os
+import tempfile
 
 BEST_VERSION = 1
+BEST_NAME = "autotune_best.json"
 
 
 class CsvLog:
@@ -46,3 +48,31 @@ def load_best(path):
     if not isinstance(doc, dict) or doc.get("version") != BEST_VERSION or not isinstance(doc.get("config"), dict):
         raise ValueError(f"{path}: not an autopatch best-config file (version {BEST_VERSION})")
     return doc["config"]
+
+
+def read_resume(path):
+    """(the config saved at ``path``, or None; a note for the report when it is not used)."""
+    if not os.path.exists(path):
+        return None, f"resume file {path} does not exist yet: searching, the best goes there"
+    try:
+        return load_best(path), None
+    except (OSError, ValueError) as e:
+        return None, f"resume ignored, searching instead: {e}"
+
+
+def fit_resumed(config, bounds, notes):
+    """The knobs of a resumed ``config`` that apply to this run (``bounds``); ``notes`` says why
+    the others are left as they are."""
+    fitted = {k: v for k, v in config.items() if k in bounds}
+    for k in set(config) - set(fitted):
+        notes.append(f"resumed knob {k} does not apply to this run: left as is")
+    if fitted.get("mode", "off") not in bounds.get("mode", ("off",)):
+        notes.append(f"resumed mode {fitted.pop('mode')} is not allowed for this run: left as is")
+    return fitted
+
+
+def best_path(autotune, logdir):
+    """Where the best config is saved: the policy's save_best or resume path, else the
+    TensorBoard log dir, else the temp dir."""
+    return (autotune.save_best or autotune.resume or (os.path.join(logdir, BEST_NAME) if logdir else None)
+            or os.path.join(tempfile.gettempdir(), "autopatch_" + BEST_NAME))
