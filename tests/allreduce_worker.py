@@ -18,7 +18,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import autopatch
-from autopatch.comm.allreduce import CommunicationError, LayoutMismatch
+from autopatch.comm.allreduce import CommunicationError
+from autopatch.comm.layout_check import LayoutMismatch
 from memory import TensorMemory
 
 WIDTH = 32

@@ -37,27 +37,22 @@ the last synchronised step is summed across ranks, and a parameter no rank used 
 as it is in DDP.
 """
 
-import collections
 import datetime
 import functools
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
 
-from .buckets import GradientLayout, layout_checksum, plan_buckets
-from .collectives import Averager, all_gather_into
-from .compression import COMPRESSIONS
+from .bucket_group import BucketGroup
+from .buckets import GradientLayout
+from .compression import checked
 from .hierarchy import build_topology
+from .layout_check import LayoutCheck
 
 
 class CommunicationError(RuntimeError):
     """A collective failed or timed out: another rank most likely exited or stalled."""
-
-
-class LayoutMismatch(RuntimeError):
-    """Ranks disagree on the bucket layout, so their buckets cannot be averaged together."""
 
 
 class BucketedAllreduce:
@@ -74,16 +69,13 @@ class BucketedAllreduce:
         self.on_averaged = on_averaged
         self.buckets_handed_over_early = 0   # handed to on_averaged before backward's end
         self.timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
-        self.settings = {"bucket_bytes": int(bucket_bytes), "compression": _compression(compression),
+        self.settings = {"bucket_bytes": int(bucket_bytes), "compression": checked(compression),
                          "hierarchical": bool(hierarchical)}
         self.topology = build_topology(self.device) if hierarchical else None
         self._pending = {}
         self.layout = None
-        self.buckets = []
-        self._held = {}        # bucket -> (weakref to its last buffer, weakrefs to its views)
-        self.averager = None
-        self.checksum = None
-        self.bytes_per_step = 0
+        self.buckets = None        # the BucketGroup of the layout and settings in effect
+        self.check = LayoutCheck(group, self.world, self.device)
         self.steps = 0
         self.wait_seconds = 0.0
         self.layouts = 0
@@ -101,7 +93,7 @@ class BucketedAllreduce:
         self._pending["bucket_bytes"] = nbytes
 
     def set_compression(self, compression):
-        self._pending["compression"] = _compression(compression)
+        self._pending["compression"] = checked(compression)
 
     def set_hierarchical(self, flag):
         self._pending["hierarchical"] = bool(flag)
@@ -119,12 +111,9 @@ class BucketedAllreduce:
         self._first_order = []
         self._used = [False] * n          # since the last synchronised backward, as DDP counts it
         self._contributed = [False] * n   # in this backward
-        self._missing = [len(b.params) for b in self.buckets]
-        self._next_bucket = 0
-        self._inflight = []
-        self._check = None
-        self._finished = [False] * len(self.buckets)
-        self._buffers = {}     # bucket -> (buffer, views) of this step, until the bucket is finished
+        self.check.cancel()
+        if self.buckets is not None:
+            self.buckets.reset()
         self._listener_error = None
 
     def _on_grad(self, i, param):
@@ -141,12 +130,11 @@ class BucketedAllreduce:
                                "twice in one synchronised backward (reentrant checkpointing, or "
                                "backward through the same graph twice); DDP does not support this either")
         self._contribute(i)
-        b = self.bucket_of[i]
-        self._missing[b] -= 1
-        if self._missing[b] == 0:
-            self._launch_full_buckets()
-        if self._inflight and self._hands_over_early():
-            self._poll()
+        if self.buckets.arrived(i):
+            self.check.finish(self._wait)
+            self.buckets.start_full()
+        if self.buckets.inflight and self._hands_over_early():
+            self.buckets_handed_over_early += self.buckets.poll(self._wait, self._finish)
 
     def _begin_backward(self):
         self._in_backward = True
@@ -154,7 +142,7 @@ class BucketedAllreduce:
         if self._pending:
             self._apply_settings()
         if self.layout is not None:
-            self._launch_check()
+            self._start_check()
 
     def _apply_settings(self):
         self.settings.update(self._pending)
@@ -164,27 +152,9 @@ class BucketedAllreduce:
         if self.layout is not None:
             self._relayout()
 
-    def _views(self, b):
-        """Bucket ``b``'s buffer and views for this step: last step's when every one of its
-        parameters still holds its view as ``.grad`` (``zero_grad(set_to_none=False)``), else new."""
-        got = self._buffers.get(b)
-        if got is not None:
-            return got[1]
-        held = self._held.get(b)
-        if held is not None:
-            buf, views = held[0](), [v() for v in held[1]]
-            if buf is not None and all(v is not None and self.params[i].grad is v
-                                       for i, v in zip(self.buckets[b].params, views)):
-                self._buffers[b] = (buf, views)
-                return views
-        buf, views = self.buckets[b].new_buffer()
-        self._buffers[b] = (buf, views)
-        self._held[b] = (weakref.ref(buf), [weakref.ref(v) for v in views])
-        return views
-
     def _contribute(self, i):
-        b = self.bucket_of[i]
-        p, view = self.params[i], self._views(b)[self.position[i]]
+        buckets = self.buckets
+        p, view = self.params[i], buckets.views(buckets.bucket_of[i])[buckets.position[i]]
         g = p.grad
         if g is view:
             view.mul_(1.0 / self.world)
@@ -198,27 +168,16 @@ class BucketedAllreduce:
             p.grad = view
         self._contributed[i] = True
 
-    def _launch_full_buckets(self):
-        while self._next_bucket < len(self.buckets) and self._missing[self._next_bucket] == 0:
-            self._launch(self._next_bucket)
-
-    def _launch(self, b):
-        self._verify_layout()
-        phases = self.averager.phases(self._buffers[b][0])
-        self._inflight.append((phases, next(phases), b))
-        self._next_bucket = b + 1
-
     def _end_backward(self):
         try:
             if self.layout is None:
                 self._first_layout()
-            self._verify_layout()
+            self.check.finish(self._wait)
             missing = self._contribute_the_rest()
-            while self._next_bucket < len(self.buckets):
-                self._launch(self._next_bucket)
+            self.buckets.start_rest()
             used = self._launch_used_bitmap() if self.find_unused else None
             # Even when raising below, every wait happens: the other ranks' collectives must match.
-            self._drain(finish=not missing and not self.find_unused)
+            self.buckets.drain(self._wait, None if missing or self.find_unused else self._finish)
             if missing:
                 raise RuntimeError(
                     f"autopatch allreduce: {len(missing)} parameter(s) received no gradient in this "
@@ -227,7 +186,7 @@ class BucketedAllreduce:
                     "find_unused_parameters=True).")
             used = self._globally_used(used)
             for b in range(len(self.buckets)):
-                if not self._finished[b]:
+                if not self.buckets.finished[b]:
                     self._finish(b, used)
             if self._listener_error is not None:
                 raise self._listener_error
@@ -247,54 +206,14 @@ class BucketedAllreduce:
                    "the broadcast of rank 0's gradient order")
         self.layout = GradientLayout(self.params, order.tolist())
         self._relayout()
-        self._launch_check()
+        self._start_check()
 
     def _relayout(self):
-        s = self.settings
-        self.buckets = plan_buckets(self.layout, self.params, s["bucket_bytes"])
-        self._held = {}
-        self.bucket_of = [0] * len(self.params)
-        self.position = [0] * len(self.params)     # i -> its place in its bucket
-        for b in self.buckets:
-            for n, i in enumerate(b.params):
-                self.bucket_of[i], self.position[i] = b.index, n
-        topology = self.topology if s["hierarchical"] else None
-        self.averager = Averager(self.group, s["compression"], topology)
-        self.checksum = layout_checksum(self.params, self.buckets, self.world, s["bucket_bytes"],
-                                        s["compression"], s["hierarchical"])
-        self.bytes_per_step = sum(self.averager.bytes_sent(torch.empty(b.numel, dtype=b.dtype, device="meta"))
-                                  for b in self.buckets)
-        self._missing = [len(b.params) for b in self.buckets]
-        self._finished = [False] * len(self.buckets)
+        self.buckets = BucketGroup(self.params, self.layout, self.settings, self.group, self.world, self.topology)
         self.layouts += 1
 
-    def _summary_row(self):
-        s = self.settings
-        return [self.checksum, s["bucket_bytes"], len(self.buckets),
-                COMPRESSIONS.index(s["compression"]), int(s["hierarchical"]), len(self.params)]
-
-    def _launch_check(self):
-        mine = torch.tensor([self._summary_row()], dtype=torch.int64, device=self.device)
-        rows = torch.empty(self.world, mine.shape[1], dtype=torch.int64, device=self.device)
-        self._check = (all_gather_into(rows, mine, group=self.group, async_op=True), rows)
-
-    def _verify_layout(self):
-        """Before this step's first bucket: gloo aborts the process on mismatched collectives."""
-        if self._check is None:
-            return
-        (work, rows), self._check = self._check, None
-        self._wait(work, "the bucket layout check")
-        rows = rows.tolist()
-        if all(r == rows[0] for r in rows):
-            return
-        described = "; ".join(
-            f"rank {r}: {n} buckets of {size} bytes over {params} params, compression "
-            f"{COMPRESSIONS[comp]}, hierarchical {'on' if hier else 'off'}, checksum {ck:#010x}"
-            for r, (ck, size, n, comp, hier, params) in enumerate(rows))
-        raise LayoutMismatch(
-            f"autopatch allreduce: ranks disagree on the bucket layout ({described}). Every rank "
-            "must train the same model under the same policy, and set_bucket_bytes / "
-            "set_compression / set_hierarchical must be called on every rank before the same step.")
+    def _start_check(self):
+        self.check.start(self.buckets.checksum, self.settings, len(self.buckets), len(self.params))
 
     # -- the end of a synchronised backward -------------------------------------------------------
     def _contribute_the_rest(self):
@@ -323,47 +242,17 @@ class BucketedAllreduce:
         self._wait(work, "the unused-parameter bitmap")
         return [c > 0 for c in counts.tolist()]
 
-    def _drain(self, finish):
-        """Wait for every bucket, phase by phase, in bucket order; with ``finish``, hand each
-        bucket over as soon as its last phase is done."""
-        pending, self._inflight = collections.deque(self._inflight), []
-        while pending:
-            later = collections.deque()
-            while pending:     # popped, so a finished bucket's work (which holds its buffer) is let go
-                phases, work, b = pending.popleft()
-                self._wait(work, f"bucket {b} of {len(self.buckets)}")
-                work = next(phases, None)
-                if work is not None:
-                    later.append((phases, work, b))
-                elif finish:
-                    self._finish(b)
-            pending = later
-
     def _hands_over_early(self):
         """Buckets can be handed over while backward runs: someone listens, no bitmap to await,
         and one collective per bucket (so completing one issues nothing out of order)."""
-        return self.on_averaged is not None and not self.find_unused and self.averager.single_collective
-
-    def _poll(self):
-        """Hand over the buckets whose allreduce has completed, without waiting for the others."""
-        still = []
-        for phases, work, b in self._inflight:
-            if work.is_completed():
-                self._wait(work, f"bucket {b} of {len(self.buckets)}")
-                next(phases, None)     # the rest of a single-collective bucket issues nothing
-                self._finish(b)
-                self.buckets_handed_over_early += 1
-            else:
-                still.append((phases, work, b))
-        self._inflight = still
+        return self.on_averaged is not None and not self.find_unused and self.buckets.averager.single_collective
 
     def _finish(self, b, used=None):
         """Bucket ``b`` is averaged: its parameters' ``.grad`` become their views of it (except,
         with ``find_unused``, those no rank used, which keep their ``.grad`` as DDP leaves it)."""
-        self._finished[b] = True
-        _, views = self._buffers.pop(b)
+        views = self.buckets.take(b)
         done = []
-        for i, view in zip(self.buckets[b].params, views):
+        for i, view in zip(self.buckets.buckets[b].params, views):
             if used is None or used[i]:
                 p = self.params[i]
                 if p.grad is not view:
@@ -398,12 +287,12 @@ class BucketedAllreduce:
         return {
             "params": len(self.params),
             "bucket_bytes": s["bucket_bytes"],
-            "buckets": len(self.buckets),
+            "buckets": 0 if self.buckets is None else len(self.buckets),
             "compression": s["compression"],
             "hierarchical": s["hierarchical"],
             "find_unused_parameters": self.find_unused,
             "synchronised_steps": self.steps,
-            "bytes_sent_per_step": self.bytes_per_step,
+            "bytes_sent_per_step": 0 if self.buckets is None else self.buckets.bytes_per_step,
             "wait_seconds": round(self.wait_seconds, 6),
             "wait_seconds_per_step": round(self.wait_seconds / self.steps, 6) if self.steps else 0.0,
             "layouts": self.layouts,
@@ -416,8 +305,3 @@ class BucketedAllreduce:
             h.remove()
         self._hooks = []
 
-
-def _compression(name):
-    if name not in COMPRESSIONS:
-        raise ValueError(f"unknown compression {name!r}; expected one of {', '.join(COMPRESSIONS)}")
-    return name

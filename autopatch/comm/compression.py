@@ -29,6 +29,13 @@ CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 HEADER_BYTES = 8     # a row's float32 min and max, stored after its codes
 
 
+def checked(compression):
+    """``compression`` when it is one autopatch knows, else a ValueError naming the ones it does."""
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"unknown compression {compression!r}; expected one of {', '.join(COMPRESSIONS)}")
+    return compression
+
+
 def compresses(compression, tensor):
     return compression != "none" and tensor.dtype == torch.float32
 
@@ -76,4 +83,4 @@ def error_bound(compression, grads):
         spread = (stack.amax(1) - stack.amin(1)).mean()
         rounding = 4 * torch.finfo(torch.float32).eps * stack.abs().max()
         return torch.full_like(stack[0], (1.002 * spread / 255 + rounding).item())
-    raise ValueError(f"unknown compression {compression!r}; expected one of {', '.join(COMPRESSIONS)}")
+    raise ValueError(f"no error bound for compression {checked(compression)!r}")

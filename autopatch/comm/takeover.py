@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..patching import Ledger
 from .allreduce import BucketedAllreduce
-from .compression import COMPRESSIONS
+from .compression import checked
 
 HANDED_BACK_BY = {
     "register_comm_hook": "a DDP communication hook was registered",
@@ -207,9 +207,7 @@ class DDPTakeover:
             reducer.set_bucket_bytes(nbytes)
 
     def set_compression(self, compression):
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"unknown compression {compression!r}; expected one of {', '.join(COMPRESSIONS)}")
-        self.options["compression"] = compression
+        self.options["compression"] = checked(compression)
         for reducer in self.reducers.values():
             reducer.set_compression(compression)
 
