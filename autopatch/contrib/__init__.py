@@ -5,4 +5,4 @@
 
 from .fused_optimizer import LEFT_TO_FUSE_STEP, fuse_optimizer, fuse_step, is_fused_optimizer
 
-__all__ = ["fuse_optimizer", "fuse_step", "is_fused_optimizer"]
+__all__ = ["fuse_optimizer", "fuse_step", "is_fused_optimizer", "LEFT_TO_FUSE_STEP"]

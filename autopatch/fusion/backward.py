@@ -73,9 +73,8 @@ class BackwardFusion(Strategy):
         longest = {}
         for plan in self.planner.plans:
             for run in plan.runs:
-                gathered = [e - s for ci, (s, e) in enumerate(run.chunk_bounds) if ci not in run.direct]
                 key = (run.flat.dtype, run.flat.device)
-                longest[key] = max([longest.get(key, 0), *gathered])
+                longest[key] = max([longest.get(key, 0), *run.grads.gathered_lengths()])
         self.scratch = {(dtype, device): torch.empty(n, dtype=dtype, device=device)
                         for (dtype, device), n in longest.items() if n}
         for gi, plan in enumerate(self.planner.plans):
@@ -146,11 +145,11 @@ class BackwardFusion(Strategy):
             return          # moved by user code: step() handles it and re-plans
         if any(p.grad.is_sparse for p in params):
             return
-        run.borrow_grads(ci, self.scratch.get((run.flat.dtype, run.flat.device)))
+        run.grads.borrow(ci, self.scratch.get((run.flat.dtype, run.flat.device)))
         try:
             self.route.step_chunks(self.opt, [(gi, run.chunks[ci], run.chunk_states[ci])])
         finally:
-            run.release_grads((ci,))
+            run.grads.release((ci,))
         for p in params:
             p.grad = None
         self.stepped.append((run, ci))

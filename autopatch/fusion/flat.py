@@ -7,9 +7,10 @@ flat buffer, cut at parameter boundaries except inside parameters larger than a 
 """
 
 import bisect
-import weakref
 
 import torch
+
+from .chunk_grads import ChunkGrads
 
 FULL, SCALAR, PYTHON = "full", "scalar", "python"
 
@@ -44,17 +45,8 @@ class FlatRun:
 
     By default (multi_layer) a parameter of at least a chunk's size gets chunks of its own;
     ``align=True`` keeps every parameter whole in one chunk (backward and forward fusion update
-    chunks as their parameters' gradients become final). Either way a chunk lying in one
-    parameter reads that parameter's ``.grad`` in place, and a chunk of several parameters gets
-    one buffer their grads are *moved* into (``bind_grads``): each ``.grad`` becomes its view of
-    that buffer, so the original is freed at once and no gradient is ever held twice. Nothing but
-    those views (and the chunk, during an update) keeps such a buffer alive: ``zero_grad()``
-    frees it as it frees ordinary grads.
-
-    Moving costs a view per parameter per step, which on a run of tiny parameters (biases,
-    norms) is most of the work. ``keep_grads=True`` (for runs of the smallest parameters, whose
-    grads are a bounded share of the optimizer's) copies their grads into one buffer of the run's,
-    made once, and leaves each ``.grad`` as it is.
+    chunks as their parameters' gradients become final). How each chunk gets its gradient is
+    ``grads`` (chunk_grads.py); ``keep_grads`` is passed on to it.
     """
 
     def __init__(self, params, states, chunk_elems, align=False, keep_grads=False):
@@ -72,117 +64,13 @@ class FlatRun:
         bounds = self._aligned_bounds(chunk_elems) if align else self._own_chunks_for_large(chunk_elems)
         self.chunk_bounds = list(zip(bounds[:-1], bounds[1:]))
         self.chunk_spans = [self._span(s, e) for s, e in self.chunk_bounds]
-        # chunk index -> the one parameter it lies in, whose own .grad it reads
-        self.direct = {ci: i0 for ci, (i0, i1) in enumerate(self.chunk_spans) if i1 - i0 == 1}
-        # chunk of several parameters -> [(shape, stride, offset in the chunk)] of each of them
-        self._layout = {ci: [(self.shapes[i], torch.empty(self.shapes[i], device="meta").stride(),
-                              self.offsets[i] - s)
-                             for i in range(i0, i1)]
-                        for ci, ((s, _), (i0, i1)) in enumerate(zip(self.chunk_bounds, self.chunk_spans))
-                        if ci not in self.direct}
-        self._moved = {}     # chunk index -> weakref to the buffer its grads were last moved into
-        self._kept = None    # keep_grads: (the run's gradient buffer, chunk index -> its views)
-        if keep_grads and self._layout:
-            kept = torch.zeros(self.numel, dtype=p0.dtype, device=p0.device)
-            self._kept = (kept, {ci: self._views_of(kept, ci, at=s)
-                                 for ci, (s, _) in enumerate(self.chunk_bounds) if ci in self._layout})
-        self._scratch = {}   # chunk index -> (scratch buffer, its chunk-long slice, views)
         self.chunks = [torch.nn.Parameter(self.flat[s:e], requires_grad=True) for s, e in self.chunk_bounds]
+        self.grads = ChunkGrads(self, keep_grads)
         self.chunk_states = [dict() for _ in self.chunks]
         self.chunk_keys = [set() for _ in self.chunks]   # state keys already mirrored per param
         self.flat_state = {}       # key -> flat tensor (full-size state)
         self.scalar_state = {}     # key -> 1-D buffer, element i is parameter i's 0-dim value
         self._adopt_state(states)
-
-    @property
-    def gathered_params(self):
-        """How many parameters have their grads gathered into a chunk's buffer (the rest are read in place)."""
-        return sum(i1 - i0 for ci, (i0, i1) in enumerate(self.chunk_spans) if ci not in self.direct)
-
-    @property
-    def kept_grad_bytes(self):
-        """Bytes of the buffer small parameters' grads are copied into (``keep_grads``)."""
-        return 0 if self._kept is None else self._kept[0].numel() * self._kept[0].element_size()
-
-    def bind_grads(self, chunk_ids):
-        """Set ``.grad`` of each chunk in ``chunk_ids`` from its parameters' grads.
-
-        A chunk in one parameter gets a slice of that parameter's grad. A chunk of several gets a
-        new buffer their grads are copied into, and each parameter's ``.grad`` becomes its view of
-        that buffer: the grads stay visible and the originals are freed at once. Buffers are made
-        one chunk at a time, so gathering costs at most one chunk of memory beyond the grads,
-        never a second copy of them. A buffer whose views are still every parameter's ``.grad``
-        (``zero_grad(set_to_none=False)`` and the next backward wrote into them in place) is used
-        again without a copy.
-        """
-        for ci in chunk_ids:
-            if self._bind_direct(ci):
-                continue
-            if self._kept is None:
-                self.chunks[ci].grad = self._moved_grads(ci)
-                continue
-            i0, i1 = self.chunk_spans[ci]
-            with torch.no_grad():
-                torch._foreach_copy_(self._kept[1][ci], [p.grad for p in self.params[i0:i1]])
-            s, e = self.chunk_bounds[ci]
-            self.chunks[ci].grad = self._kept[0][s:e]
-
-    def borrow_grads(self, ci, scratch):
-        """Set chunk ``ci``'s ``.grad`` for one update, leaving the parameters' ``.grad`` as they
-        are: a chunk of several parameters copies theirs into ``scratch`` (at least a chunk long,
-        and used for every chunk in turn), whose views are made once."""
-        if self._bind_direct(ci):
-            return
-        cached = self._scratch.get(ci)
-        if cached is None or cached[0] is not scratch:
-            s, e = self.chunk_bounds[ci]
-            cached = self._scratch[ci] = (scratch, scratch[:e - s], self._views_of(scratch, ci))
-        i0, i1 = self.chunk_spans[ci]
-        with torch.no_grad():
-            torch._foreach_copy_(cached[2], [p.grad for p in self.params[i0:i1]])
-        self.chunks[ci].grad = cached[1]
-
-    def _bind_direct(self, ci):
-        i = self.direct.get(ci)
-        if i is None:
-            return False
-        g = self.params[i].grad
-        s, e = self.chunk_bounds[ci]
-        flat = (g if g.is_contiguous() else g.contiguous()).view(-1)
-        self.chunks[ci].grad = flat[s - self.offsets[i]:e - self.offsets[i]]
-        return True
-
-    def _views_of(self, buf, ci, at=0):
-        """Each parameter of chunk ``ci`` as a view of ``buf`` (a tensor at the start of its
-        storage), laid out like the chunk from element ``at`` on (one ``as_strided`` per
-        parameter: the cheapest view torch makes)."""
-        return [buf.as_strided(shape, stride, at + offset) for shape, stride, offset in self._layout[ci]]
-
-    def _moved_grads(self, ci):
-        i0, i1 = self.chunk_spans[ci]
-        params = self.params[i0:i1]
-        held = self._moved.get(ci)
-        buf = held() if held is not None else None
-        if buf is not None and all(p.grad is not None and p.grad._base is buf
-                                   and p.grad.storage_offset() == offset
-                                   for p, (_, _, offset) in zip(params, self._layout[ci])):
-            return buf
-        s, e = self.chunk_bounds[ci]
-        grads = [p.grad for p in params]
-        buf = torch.empty(e - s, dtype=grads[0].dtype, device=grads[0].device)
-        views = self._views_of(buf, ci)
-        with torch.no_grad():
-            torch._foreach_copy_(views, grads)
-        del grads
-        for p, v in zip(params, views):
-            p.grad = v
-        self._moved[ci] = weakref.ref(buf)
-        return buf
-
-    def release_grads(self, chunk_ids=None):
-        """Drop the chunks' grads, so only the parameters' ``.grad`` keep gradient memory alive."""
-        for ci in range(len(self.chunks)) if chunk_ids is None else chunk_ids:
-            self.chunks[ci].grad = None
 
     def _aligned_bounds(self, chunk_elems):
         bounds, filled = [0], 0

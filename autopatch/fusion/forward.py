@@ -17,17 +17,16 @@ flushed first by the runtime; anything else) would change the update: that is ca
 tensor's version counter and is an error, never a silently different result.
 """
 
-import torch
 
 from .chunk_step import hyperparameters
 from .multi_layer import split_by_grads
 from .param_swap import ParamSwap
 from .planner import FlatPlanner
 from .rounding import Route
-from .strategy import Strategy
+from .strategy import PlannedStrategy
 
 
-class ForwardFusion(Strategy):
+class ForwardFusion(PlannedStrategy):
     def __init__(self, optimizer, chunk_bytes, owned_storages=None, route=None):
         self.opt = optimizer
         self.route = route or Route(optimizer)     # how a chunk is stepped (rounding.py)
@@ -57,7 +56,7 @@ class ForwardFusion(Strategy):
                 continue
             self.hparams[gi] = hyperparameters(group)
             for run in deferred:
-                run.bind_grads(range(len(run.chunks)))
+                run.grads.bind(range(len(run.chunks)))
                 for ci, (i0, i1) in enumerate(run.chunk_spans):
                     key = (id(run), ci)
                     self.pending[key] = (gi, run, ci, run.chunks[ci].grad._version)
@@ -98,7 +97,7 @@ class ForwardFusion(Strategy):
                                                   for gi, run, ci, _ in items], hp)
         finally:
             for _, run, ci, _ in items:
-                run.release_grads((ci,))
+                run.grads.release((ci,))
         for gi, run, ci, _ in items:
             i0, i1 = run.chunk_spans[ci]
             for p in run.params[i0:i1]:
@@ -117,14 +116,6 @@ class ForwardFusion(Strategy):
         self.after_step()
         self.flush()
         self.planner.mark_stale()
-
-    def invalidate(self):
-        self.flush()
-        self.planner.mark_stale()
-
-    def set_chunk_bytes(self, chunk_bytes):
-        self.flush()
-        self.planner.set_chunk_bytes(chunk_bytes)
 
     def describe(self):
         return dict(self.planner.layout(), deferred_steps=self.deferred,

@@ -37,7 +37,7 @@ import weakref
 import torch
 
 from .eligibility import is_dtensor
-from .param_swap import ParamSwap, then
+from .param_swap import ParamSwap, fuse_when_grads_exist
 from .strategy import NotFusable, Strategy
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -218,19 +218,10 @@ class LocalShardStep(Strategy):
 
     # -- the strategy -------------------------------------------------------------------------
     def before_step(self, closure):
-        if closure is None:
-            self.swap_in()
-            return None
-        return then(closure, self.swap_in)
+        return fuse_when_grads_exist(closure, self.swap_in)
 
-    def after_step(self):
-        self.restore()
-
-    def flush(self):
-        self.restore()
-
-    def deactivate(self):
-        self.restore()
+    # Every way out of a step puts the DTensors back and carries the shards' state over.
+    after_step = flush = deactivate = restore
 
     def invalidate(self):
         """State was loaded or params replaced from outside: forget what was known."""

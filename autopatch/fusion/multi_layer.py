@@ -7,9 +7,9 @@ per-parameter state (views into the flat state), same ``state_dict()``.
 """
 
 from .eligibility import unfusable_param
-from .param_swap import ParamSwap, then
+from .param_swap import ParamSwap, fuse_when_grads_exist
 from .planner import FlatPlanner
-from .strategy import NotFusable, Strategy
+from .strategy import NotFusable, PlannedStrategy
 
 
 def split_by_grads(runs):
@@ -28,7 +28,7 @@ def split_by_grads(runs):
     return ready, unfused, partial
 
 
-class MultiLayerStep(Strategy):
+class MultiLayerStep(PlannedStrategy):
     """Swaps flat chunks into an optimizer around each step. Not thread-safe per optimizer."""
 
     def __init__(self, optimizer, chunk_bytes, owned_storages=None, route=None, planner=None):
@@ -67,7 +67,7 @@ class MultiLayerStep(Strategy):
             if not fused:
                 continue
             for run in fused:
-                run.bind_grads(range(len(run.chunks)))
+                run.grads.bind(range(len(run.chunks)))
             self.lists.put(group, [c for run in fused for c in run.chunks] + unfused + plan.rest)
             for run in fused:
                 for c, cs in zip(run.chunks, run.chunk_states):
@@ -82,7 +82,7 @@ class MultiLayerStep(Strategy):
         swapped, self.swapped = self.swapped, []
         for _, fused in swapped:
             for run in fused:
-                run.release_grads()
+                run.grads.release()
                 for c in run.chunks:
                     self.opt.state.pop(c, None)
                 why = run.sync(self.opt.state.__getitem__)
@@ -93,10 +93,7 @@ class MultiLayerStep(Strategy):
     def before_step(self, closure):
         """Swap chunks in; with a closure, only once the closure has computed the grads."""
         fuse = self._step_params if self.route is not None and self.route.takes_params else self._step_chunks
-        if closure is None:
-            fuse()
-            return None
-        return then(closure, fuse)
+        return fuse_when_grads_exist(closure, fuse)
 
     def _step_chunks(self):
         self.swap_in()
@@ -132,23 +129,8 @@ class MultiLayerStep(Strategy):
         for gi, fused in self.swapped:
             groups[gi]["params"] = groups[gi]["params"][sum(len(run.chunks) for run in fused):]
 
-    def after_step(self):
-        self.restore()
-
-    def flush(self):
-        self.restore()
-
-    def deactivate(self):
-        self.restore()
-
-    def invalidate(self):
-        """State or params were replaced from outside (load_state_dict, add_param_group)."""
-        self.restore()
-        self.planner.mark_stale()
-
-    def set_chunk_bytes(self, chunk_bytes):
-        self.restore()
-        self.planner.set_chunk_bytes(chunk_bytes)
+    # Every way out of a step puts the user's params back and mirrors the state per parameter.
+    after_step = flush = deactivate = restore
 
     def describe(self):
         return dict(self.planner.layout(), fused_steps=self.fused_steps,

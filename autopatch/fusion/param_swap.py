@@ -38,3 +38,12 @@ def then(closure, after):
         after()
         return loss
     return closure_then
+
+
+def fuse_when_grads_exist(closure, fuse):
+    """Run ``fuse()`` now, or, for a closure-based step, right after the closure computes the
+    gradients. Returns the closure the optimizer should call instead, or None."""
+    if closure is None:
+        fuse()
+        return None
+    return then(closure, fuse)

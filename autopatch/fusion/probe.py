@@ -87,9 +87,9 @@ def _run(opt, params, grads, how, route=None):
             for gi, plan in enumerate(planner.plans):
                 for run in plan.runs:
                     for ci, chunk in enumerate(run.chunks):
-                        run.bind_grads((ci,))
+                        run.grads.bind((ci,))
                         step_chunks(opt, raw, [(gi, chunk, run.chunk_states[ci])])
-                        run.release_grads((ci,))
+                        run.grads.release((ci,))
                         run.sync(opt.state.__getitem__, [ci])
 
 
@@ -165,7 +165,7 @@ def _route_probe(opt, group, route, p0):
         fus_state = fus_opt.state_dict()["state"]
     except Exception as e:   # any failure means: not this route
         return f"probe failed: {type(e).__name__}: {e}".splitlines()[0][:300], None
-    route.compile_seconds = getattr(route, "compile_seconds", 0.0) + getattr(probe_route, "compile_seconds", 0.0)
+    route.compile_seconds += probe_route.compile_seconds
     if probe_route.fallback:
         return probe_route.fallback, None
     pairs = list(zip(ref, fus))

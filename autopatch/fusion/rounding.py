@@ -36,6 +36,7 @@ class Route:
 
     kind = BITWISE
     takes_params = False
+    compile_seconds = 0.0     # spent compiling (the compiled route; the probe's share included)
 
     def __init__(self, opt, reason="fusion.exact: bitwise", max_deviation=None):
         self.raw = raw_step_of(opt)

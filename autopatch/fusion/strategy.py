@@ -56,3 +56,16 @@ class Strategy(Protocol):
 
     def apply_param(self, param):
         """Apply the pending update of the chunk holding ``param`` (it is about to be read)."""
+
+
+class PlannedStrategy(Strategy):
+    """A strategy that steps the runs of a flat planner (``self.planner``, planner.py): whatever
+    is pending is applied before the plan changes."""
+
+    def invalidate(self):
+        self.flush()
+        self.planner.mark_stale()
+
+    def set_chunk_bytes(self, chunk_bytes):
+        self.flush()
+        self.planner.set_chunk_bytes(chunk_bytes)

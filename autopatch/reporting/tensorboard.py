@@ -68,7 +68,7 @@ class Board:
 
     def _tick(self, timer):
         if self._mode is None:
-            self._mode = getattr(timer.clock, "step_mode", None)
+            self._mode = timer.clock.step_mode
         if self._switched or self._acc.window.seconds >= SCALAR_PERIOD:
             self._switched = False
             self.flush_window()
