@@ -6,7 +6,7 @@ six processes writing the same keys at once neither failed nor tore a value. Rea
 file's pages through the page cache, and one writer at a time holds lmdb's lock.
 
 lmdb has no eviction of its own: when the map is full, a tenth of the entries starting at a
-random key is deleted and the write tried again, so the cache stays within ``capacity`` and
+random key is deleted and the write tried again (a few times), so the cache stays within ``capacity`` and
 entries of datasets that changed age out, as with Redis's random eviction.
 
 lmdb forbids an environment open twice in one process and its use across fork(), and py-lmdb
@@ -25,6 +25,7 @@ import lmdb
 __all__ = ["LocalStore", "default_cache_dir"]
 
 GiB = 1 << 30
+EVICTION_ROUNDS = 5   # a full map: evict a tenth and retry, this many times before failing
 NETWORK_FILESYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs", "fuse.sshfs", "ceph"}
 _open_envs = {}   # this process's environments by directory
 
@@ -101,11 +102,12 @@ class LocalStore:
     def mset(self, mapping):
         items = [(k.encode(), bytes(v) if isinstance(v, (bytearray, memoryview)) else v)
                  for k, v in mapping.items()]
-        try:
-            self._put(items)
-        except lmdb.MapFullError:
-            self._evict_tenth()
-            self._put(items)
+        for _ in range(EVICTION_ROUNDS):
+            try:
+                return self._put(items)
+            except lmdb.MapFullError:
+                self._evict_tenth()
+        self._put(items)
 
     def _put(self, items):
         with self._open().begin(write=True) as txn:
