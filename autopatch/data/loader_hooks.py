@@ -5,7 +5,7 @@ through a ``CachedDataset`` behind a transparent proxy or left as it is, with th
 cache name is the settings' name (or the class name) and the dataset's signature, so two
 datasets of one class keep separate entries and a changed dataset starts afresh. The cache must
 pay: the probe's samples are stored and read back, and a dataset that loads less than twice as
-slowly as the cache reads stays uncached. A DistributedSampler (the class itself; a subclass may
+slowly as the cache reads (the probe's samples read together, as a batch is) stays uncached. A DistributedSampler (the class itself; a subclass may
 order on purpose) is replaced by a ``FollowingSampler`` at the loader's batch size, every
 dataset scored once.
 
@@ -18,6 +18,7 @@ it, and is reported.
 """
 
 import inspect
+import statistics
 import time
 import warnings
 import weakref
@@ -38,6 +39,7 @@ from .transparent_dataset import TransparentCachedDataset, bypass
 __all__ = ["LoaderHooks", "READ_ADVANTAGE"]
 
 READ_ADVANTAGE = 2.0   # cache only when a read is at least this many times faster than a load
+READ_ROUNDS = 5        # reads of the probe's samples, each all at once; the median counts
 COUNTS = ("hits", "misses", "bytes_read", "bytes_written", "errors")
 
 
@@ -149,15 +151,15 @@ class LoaderHooks:
         if loader.unavailable:
             return _DatasetFate(label, f"the cache is unavailable: {loader.unavailable}")
         loader.prime(verdict.samples)
-        times = []
-        for key in verdict.samples:
+        keys, times = list(verdict.samples), []
+        for _ in range(READ_ROUNDS):   # batched, as DataLoader reads through __getitems__
             start = time.perf_counter()
-            found = loader.peek([key])[0]
-            times.append(time.perf_counter() - start)
-            if found is None:
+            found = loader.peek(keys)
+            times.append((time.perf_counter() - start) / len(keys))
+            if any(v is None for v in found):
                 error = loader.describe().get("last_error") or "a sample written was read back as missing"
                 return _DatasetFate(label, f"the cache does not keep samples: {error}")
-        read = sorted(times)[len(times) // 2]
+        read = statistics.median(times)
         if verdict.load_seconds < READ_ADVANTAGE * read:
             return _DatasetFate(label, f"loading a sample takes {1e6 * verdict.load_seconds:.0f} µs, reading "
                                        f"it from the cache {1e6 * read:.0f} µs: the cache would not pay")
