@@ -18,9 +18,12 @@ Contenders take turns within one run and rounds repeat; figures are medians.
 """
 
 import argparse
+import io
 import json
 import multiprocessing as mp
 import os
+import pickle
+import random
 import shutil
 import statistics
 import subprocess
@@ -29,10 +32,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from torch.utils.data import Dataset
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_context import autopatch_source, cpu_model, load_average, markdown  # noqa: E402
+
+from autopatch.data.node_servers import node_server_urls  # noqa: E402
+from autopatch.data.patches import DataPatches  # noqa: E402
+from autopatch.data.redis_store import RedisStore  # noqa: E402
+from autopatch.data.step_balance import distributed_sampler_indices, spread_summary, step_spreads  # noqa: E402
+from autopatch.patching import Ledger  # noqa: E402
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -83,7 +97,6 @@ CANDIDATES = {c.name: c for c in (LmdbCandidate, DiskcacheCandidate)}
 
 def _value(i, size):
     """Deterministic incompressible bytes for key i."""
-    import random
     return random.Random(i).randbytes(size)
 
 
@@ -102,7 +115,6 @@ def _store_worker(kind, path, keys, size, barrier, results, what, batch=20):
             except Exception:   # a lock timeout counts as an error, not a crash of the benchmark
                 errors += 1
     else:
-        import random
         order = list(keys)
         random.Random(len(keys)).shuffle(order)
         for k in order:
@@ -224,10 +236,6 @@ IMAGE_SIDE, OUT_SIDE = 416, 160   # a 416x416 PNG decoded and resized to 160x160
 def make_images(n, path):
     """n PNG images (smooth gradients plus noise, so the codec has real work), saved to ``path``
     for the runs in other processes."""
-    import io
-    import pickle
-
-    import numpy as np
     from PIL import Image
     rng = np.random.default_rng(0)
     y, x = np.mgrid[0:IMAGE_SIDE, 0:IMAGE_SIDE]
@@ -244,38 +252,33 @@ def make_images(n, path):
 
 
 def load_images(path):
-    import pickle
     with open(path, "rb") as f:
         return pickle.load(f)
 
 
-class PngDataset(Dataset):
-    """Sample i: image i decoded, resized, as a 3x160x160 uint8 tensor, and a label."""
+class Indexed(Dataset):
+    """A dataset made from one item per sample."""
 
-    def __init__(self, blobs):
-        self.blobs = blobs
+    def __init__(self, items):
+        self.items = items
 
     def __len__(self):
-        return len(self.blobs)
+        return len(self.items)
 
-    def decode(self, i):
-        import io
 
-        import numpy as np
-        import torch
-        from PIL import Image
-        img = Image.open(io.BytesIO(self.blobs[i])).convert("RGB").resize((OUT_SIDE, OUT_SIDE), Image.BILINEAR)
-        return torch.from_numpy(np.array(img)).permute(2, 0, 1).contiguous()
+class PngDataset(Indexed):
+    """Sample i: PNG i decoded and resized, as a 3x160x160 uint8 tensor, and a label."""
 
     def __getitem__(self, i):
-        return self.decode(i), i % 10
+        from PIL import Image
+        img = Image.open(io.BytesIO(self.items[i])).convert("RGB").resize((OUT_SIDE, OUT_SIDE), Image.BILINEAR)
+        return torch.from_numpy(np.array(img)).permute(2, 0, 1).contiguous(), i % 10
 
 
 class AugmentedPng(PngDataset):
     """The same with a random flip: the probe must refuse it."""
 
     def __getitem__(self, i):
-        import torch
         x, y = super().__getitem__(i)
         return (x.flip(2) if torch.rand(()) < 0.5 else x), y
 
@@ -288,13 +291,10 @@ def epoch_seconds(loader):
 
 
 def _loader(dataset):
-    from torch.utils.data import DataLoader
     return DataLoader(dataset, batch_size=16, num_workers=2)
 
 
 def _patched(**settings):
-    from autopatch.data.patches import DataPatches
-    from autopatch.patching import Ledger
     ledger, patches = Ledger(), DataPatches(**settings)
     patches.install(ledger)
     return ledger, patches
@@ -306,8 +306,6 @@ def _cache_round(kind, blobs, root, r):
     if kind == "local":
         ledger, patches = _patched(cache="local", path=str(root / f"round{r}"))
     elif kind == "redis":
-        from autopatch.data.node_servers import node_server_urls
-        from autopatch.data.redis_store import RedisStore
         RedisStore(hosts=node_server_urls(1 << 30)).clear()
         ledger, patches = _patched(cache="redis", capacity=1 << 30)
     try:
@@ -343,7 +341,6 @@ def _run_program(blobs_path, cache_dir):
 
 
 def bench_cache(args):
-    import torch
     torch.set_num_threads(1)
     n = 96 if args.quick else 400
     rounds = 2 if args.quick else 4
@@ -415,26 +412,19 @@ BATCH, WORLD = 8, 4
 
 
 def sequence_lengths(n, seed=0):
-    import random
     rng = random.Random(seed)
     return [min(512, int(8 * rng.paretovariate(1.0))) for _ in range(n)]
 
 
-class Tokens(Dataset):
-    def __init__(self, lengths):
-        self.lengths = lengths
-
-    def __len__(self):
-        return len(self.lengths)
+class Tokens(Indexed):
+    """Sample i: token ids of the i-th length, and a label."""
 
     def __getitem__(self, i):
-        import torch
         g = torch.Generator().manual_seed(i)
-        return torch.randint(1, 1000, (self.lengths[i],), generator=g), i % 10
+        return torch.randint(1, 1000, (self.items[i],), generator=g), i % 10
 
 
 def pad_batch(batch):
-    import torch
     longest = max(len(x) for x, _ in batch)
     tokens = torch.zeros(len(batch), longest, dtype=torch.long)
     for row, (x, _) in enumerate(batch):
@@ -443,14 +433,6 @@ def pad_batch(batch):
 
 
 def balance_rank(rank, init, steps):
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from autopatch.data.step_balance import distributed_sampler_indices, spread_summary, step_spreads
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
 

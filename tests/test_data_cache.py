@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from autopatch.data import CachedDataset, CacheLoader, LocalStore, RedisStore
 from autopatch.data.redis_server import RedisServer
 from autopatch.data.sample_codec import Unstorable, decode, encode
-from data_fixtures import Features, redis_server  # noqa: F401 (fixture)
+from data_fixtures import Features, redis_server  # noqa: F401,F811 (a fixture)
 
 
 class BaguaDataset(Dataset):

@@ -4,7 +4,6 @@ DistributedSampler replaced, and DataLoader restored exactly."""
 
 import json
 import random
-import sys
 
 import numpy as np
 import pytest
@@ -14,7 +13,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from autopatch.data import LoadBalancingDistributedSampler
 from autopatch.data.patches import DataPatches, cache_backend
-from autopatch.data.signature import encoded_samples
 from autopatch.patching import Ledger
 from conftest import clean_env, run_python, spawn_two_ranks, write_script
 from data_fixtures import Features, NumpyAugmented, PythonAugmented, Stream, TorchAugmented

@@ -56,6 +56,8 @@ class LoadBalancingDistributedSampler(Sampler):
             raise ValueError(f"rank {rank} is not in [0, {num_replicas - 1}]")
         if not 0.0 <= random_level <= 1.0:
             raise ValueError(f"random_level {random_level} is not in [0, 1]")
+        if complexity_fn is None and complexities is None:
+            raise ValueError("a complexity_fn, or the complexities, are needed")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size {batch_size} is not positive")
         self.dataset = dataset

@@ -70,11 +70,12 @@ def _filesystem_type(path):
 
 
 def default_capacity(path):
-    """64 GiB, or half the disk space free now when that is less (but at least 1 GiB)."""
+    """64 GiB, or half the disk space free now when that is less (but at least 1 GiB), in whole
+    GiB so that processes opening the store at about the same time agree."""
     probe = Path(path)
     while not probe.exists():
         probe = probe.parent
-    return max(GiB, min(64 * GiB, shutil.disk_usage(probe).free // 2))
+    return GiB * max(1, min(64, shutil.disk_usage(probe).free // 2 // GiB))
 
 
 class LocalStore:
@@ -88,12 +89,20 @@ class LocalStore:
     def _open(self):
         return _environment(self.path, self.capacity)
 
+    def _begin(self, write=False):
+        env = self._open()
+        try:
+            return env.begin(write=write)
+        except lmdb.MapResizedError:   # another process (another rank) grew the map: adopt its size
+            env.set_mapsize(0)
+            return env.begin(write=write)
+
     def get(self, key):
-        with self._open().begin() as txn:
+        with self._begin() as txn:
             return txn.get(key.encode())
 
     def mget(self, keys):
-        with self._open().begin() as txn:
+        with self._begin() as txn:
             return [txn.get(k.encode()) for k in keys]
 
     def set(self, key, value):
@@ -110,7 +119,7 @@ class LocalStore:
         self._put(items)
 
     def _put(self, items):
-        with self._open().begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             for k, v in items:
                 txn.put(k, v)
 
@@ -120,7 +129,7 @@ class LocalStore:
         if not entries:
             return
         start, count = random.randrange(entries), max(1, entries // 10)
-        with env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             keys = list(txn.cursor().iternext(keys=True, values=False))
             for key in (keys[start:] + keys[:start])[:count]:
                 txn.delete(key)
@@ -130,7 +139,7 @@ class LocalStore:
 
     def clear(self):
         env = self._open()
-        with env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             txn.drop(env.open_db(), delete=False)
 
     def status(self):

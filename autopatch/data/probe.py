@@ -39,7 +39,7 @@ def probe(dataset):
         return Verdict(False, "an iterable dataset has no index to cache its samples by")
     try:
         length = len(dataset)
-    except TypeError:
+    except (TypeError, NotImplementedError):
         return Verdict(False, "the dataset has no length")
     if length == 0:
         return Verdict(False, "the dataset is empty")
