@@ -9,7 +9,9 @@ Three parts, each its own subcommand (all three by default):
              and 2 through the local store and through Redis, a second run's first epoch, and
              what a dataset that the probe refuses costs.
 ``balance``  4 gloo ranks train a small sequence model on long-tailed lengths, padded per batch:
-             DistributedSampler against the load-balanced sampler, steps/s and per-step spread.
+             DistributedSampler against the load-balanced sampler put in its place by the data
+             patches (steps grouped by complexity), and against the sampler without step
+             grouping (balance alone); steps/s and the per-step spread of complexity.
 
 Contenders take turns within one run and rounds repeat; figures are medians.
 
@@ -42,6 +44,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_context import autopatch_source, cpu_model, load_average, markdown  # noqa: E402
 
+from autopatch.data import LoadBalancingDistributedSampler  # noqa: E402
 from autopatch.data.node_servers import node_server_urls  # noqa: E402
 from autopatch.data.patches import DataPatches  # noqa: E402
 from autopatch.data.redis_store import RedisStore  # noqa: E402
@@ -460,13 +463,16 @@ def balance_rank(rank, init, steps):
     user_sampler = DistributedSampler(dataset, seed=0)
     balanced = DataLoader(dataset, batch_size=BATCH, sampler=user_sampler, collate_fn=pad_batch)
     assert type(balanced.sampler).__name__ == "FollowingSampler"
-    times = {"DistributedSampler": [], "balanced": []}
-    spreads = {"DistributedSampler": [], "balanced": []}
-    padded = {"DistributedSampler": [], "balanced": []}
+    ungrouped_sampler = LoadBalancingDistributedSampler(dataset, None, complexities=lengths, seed=0)
+    ungrouped = DataLoader(dataset, batch_size=BATCH, sampler=ungrouped_sampler, collate_fn=pad_batch)
+    contenders = {"DistributedSampler": (plain, plain_sampler), "balanced": (balanced, user_sampler),
+                  "balanced, steps not grouped": (ungrouped, ungrouped_sampler)}
+    times, spreads, padded = ({name: [] for name in contenders} for _ in range(3))
     rounds = int(os.environ.get("BENCH_ROUNDS", "3"))
+    names = list(contenders)
     for r in range(rounds + 1):   # round 0 warms up
-        for name in (["DistributedSampler", "balanced"] if r % 2 else ["balanced", "DistributedSampler"]):
-            loader, sampler = (plain, plain_sampler) if name == "DistributedSampler" else (balanced, user_sampler)
+        for name in names[r % 3:] + names[:r % 3]:
+            loader, sampler = contenders[name]
             sampler.set_epoch(r)
             dist.barrier()
             t0 = time.perf_counter()
@@ -481,7 +487,7 @@ def balance_rank(rank, init, steps):
                 continue
             times[name].append(n / (time.perf_counter() - t0))
             every = (distributed_sampler_indices(dataset, WORLD, 0, r, True, False) if name == "DistributedSampler"
-                     else balanced.sampler.rank_indices())
+                     else loader.sampler.rank_indices())
             spreads[name] += step_spreads(every, lengths, BATCH)
             padded[name].append(sum(max(BATCH * max(lengths[i] for i in ix[s:s + BATCH]) for ix in every)
                                     for s in range(0, len(every[0]), BATCH)))
@@ -505,15 +511,17 @@ def bench_balance(args):
     result = json.loads(outs[0][0].strip().splitlines()[-1])
     t, sp, pad = result["times"], result["spreads"], result["padded"]
     ratios = [b / d for b, d in zip(t["balanced"], t["DistributedSampler"])]
+    ungrouped = [b / d for b, d in zip(t["balanced, steps not grouped"], t["DistributedSampler"])]
     print(f"{WORLD} gloo ranks (1 thread each) on this machine's cores; a TransformerEncoderLayer (d=64) on "
           f"token sequences of lengths 8..512 (Pareto, alpha 1), batch {BATCH} per rank padded to its longest, "
           f"{result['steps']} steps per epoch, {rounds} rounds after a warm-up round, contenders alternating.\n")
     rows = [(name, f"{statistics.median(t[name]):.2f}", f"{sp[name]['median']:.3f}", f"{sp[name]['worst']:.3f}",
-             f"{statistics.median(pad[name]):,.0f}") for name in ("DistributedSampler", "balanced")]
+             f"{statistics.median(pad[name]):,.0f}") for name in t]
     print(markdown(["sampler", "steps/s", "complexity max/mean per step (median)", "(worst)",
                     "padded tokens per epoch, slowest rank per step"], rows))
     print(f"\nbalanced / DistributedSampler steps/s: {statistics.median(ratios):.2f}x "
-          f"(per-round ratios {', '.join(f'{x:.2f}' for x in ratios)})")
+          f"(per-round ratios {', '.join(f'{x:.2f}' for x in ratios)}); steps not grouped: "
+          f"{statistics.median(ungrouped):.2f}x")
 
 
 # -- main -------------------------------------------------------------------------------------
