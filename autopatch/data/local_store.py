@@ -1,9 +1,10 @@
 """The node-local cache: an lmdb environment in a directory that outlives the run.
 
-lmdb was chosen by measurement (benchmarks/RESULTS.md, "Sample cache: the embedded store"): with
-two worker processes it read samples 3-4 times faster than diskcache and wrote them faster, and
-six processes writing the same keys at once neither failed nor tore a value. Readers share the
-file's pages through the page cache, and one writer at a time holds lmdb's lock.
+lmdb was chosen by measurement (benchmarks/RESULTS.md, "Data: the sample cache and the
+load-balanced sampler"): with two worker processes it read samples 2 to 7 times faster than
+diskcache and wrote them 1.7 to 10 times faster, and six processes writing the same keys at once
+neither failed nor tore a value. Readers share the file's pages through the page cache, and one
+writer at a time holds lmdb's lock.
 
 lmdb has no eviction of its own: when the map is full, a tenth of the entries starting at a
 random key is deleted and the write tried again (a few times), so the cache stays within ``capacity`` and
