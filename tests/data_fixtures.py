@@ -21,8 +21,8 @@ def busy(seconds):
 class Features(Dataset):
     """A deterministic dataset: sample i is a fixed function of i (and of ``version``)."""
 
-    def __init__(self, n=48, width=6, version=0):
-        self.n, self.width, self.version = n, width, version
+    def __init__(self, n=48, width=6, version=0, load_seconds=LOAD_SECONDS):
+        self.n, self.width, self.version, self.load_seconds = n, width, version, load_seconds
 
     def __len__(self):
         return self.n
@@ -30,7 +30,7 @@ class Features(Dataset):
     def __getitem__(self, i):
         if not 0 <= i < self.n:
             raise IndexError(i)
-        busy(LOAD_SECONDS)
+        busy(self.load_seconds)
         g = torch.Generator().manual_seed(1000 * self.version + i)
         return torch.randn(self.width, generator=g), i % 3
 

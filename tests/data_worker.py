@@ -31,7 +31,7 @@ def zero_code():
     ledger = Ledger()
     patches = DataPatches(cache="redis", capacity=32 << 20, balance="len")
     patches.install(ledger)
-    dataset = Sequences(40)
+    dataset = Sequences(40, load_seconds=0.005)   # slow enough that Redis pays even on a busy machine
     sampler = DistributedSampler(dataset, seed=3)
     loader = DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=1,
                         collate_fn=lambda batch: [i for _, i in batch])
