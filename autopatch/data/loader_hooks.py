@@ -1,0 +1,287 @@
+"""What happens when a DataLoader is built, or iterated, while the data patches are installed.
+
+``DataLoader(dataset, ...)``: a map-style dataset is probed once (``probe.py``) and either served
+through a ``CachedDataset`` behind a transparent proxy or left as it is, with the reason. Its
+cache name is the settings' name (or the class name) and the dataset's signature, so two
+datasets of one class keep separate entries and a changed dataset starts afresh. The cache must
+pay: the probe's samples are stored and read back, and a dataset that loads less than twice as
+slowly as the cache reads (the probe's samples read together, as a batch is) stays uncached. A DistributedSampler (the class itself; a subclass may
+order on purpose) is replaced by a ``FollowingSampler`` at the loader's batch size, every
+dataset scored once.
+
+``iter(loader)``: one of the probe's samples is loaded again and compared; a dataset whose
+samples or length changed during the run is served uncached from then on (workers forked for
+the epoch see it; ``persistent_workers`` keep what they were started with).
+
+Nothing here raises into the user's program: a failure leaves the DataLoader as the user built
+it, and is reported.
+"""
+
+import inspect
+import statistics
+import time
+import warnings
+import weakref
+
+from torch.utils.data import DistributedSampler
+
+from .backends import backend_name
+from .balanced_sampler import score_samples
+from .cache_loader import CacheLoader
+from .cached_dataset import CachedDataset
+from .complexity import complexity_function
+from .following_sampler import FollowingSampler
+from .probe import probe
+from .signature import encoded_samples
+from .step_balance import distributed_sampler_indices, spread_summary, step_spreads
+from .transparent_dataset import TransparentCachedDataset, bypass
+
+__all__ = ["LoaderHooks", "READ_ADVANTAGE"]
+
+READ_ADVANTAGE = 2.0   # cache only when a read is at least this many times faster than a load
+READ_ROUNDS = 5        # reads of the probe's samples, each all at once; the median counts
+COUNTS = ("hits", "misses", "bytes_read", "bytes_written", "errors")
+
+
+class _PerObject:
+    """Values kept per object by identity (datasets need not be hashable), forgotten when an
+    object that allows weak references is collected."""
+
+    def __init__(self):
+        self._items = {}
+
+    def get(self, obj):
+        item = self._items.get(id(obj))
+        return item[1] if item is not None and item[0]() is obj else None
+
+    def put(self, obj, value):
+        try:
+            ref = weakref.ref(obj, lambda _, key=id(obj): self._items.pop(key, None))
+        except TypeError:
+            ref = lambda obj=obj: obj   # noqa: E731 (no weak reference possible: kept alive)
+        self._items[id(obj)] = (ref, value)
+
+
+class _DatasetFate:
+    """What became of one dataset: how to serve it through the cache, or why it is left alone.
+
+    It holds neither the dataset nor its proxy (a DataLoader holds the proxy, the proxy the
+    dataset), so a dataset the program drops is freed; its counters stay for the report."""
+
+    def __init__(self, label, reason="", recipe=None, verdict=None, length=0):
+        self.label, self.reason, self.recipe, self.verdict, self.length = label, reason, recipe, verdict, length
+        self.loaders = []      # the CacheLoader of every proxy made, for the counts
+        self.rechecks = 0
+        self.bypassed = None   # why the cache was turned off for it during the run
+        self._proxy = None     # weak reference to the live proxy
+
+    def proxy(self, dataset):
+        live = self.live_proxy()
+        if live is None:
+            cached = CachedDataset(dataset, **self.recipe)
+            live = TransparentCachedDataset(dataset, cached, self.bypassed)
+            self._proxy = weakref.ref(live)
+            self.loaders.append(cached.cache_loader)
+        return live
+
+    def live_proxy(self):
+        return self._proxy() if self._proxy is not None else None
+
+    def bypass(self, reason):
+        if self.bypassed is None:
+            self.bypassed = reason
+            if self.live_proxy() is not None:
+                bypass(self.live_proxy(), reason)
+
+
+class LoaderHooks:
+    def __init__(self, settings):
+        self.settings = settings
+        self.complexity_fn = complexity_function(settings.balance) if settings.balance is not None else None
+        self._datasets = _PerObject()   # the user's dataset -> _DatasetFate
+        self._fates = []                # every _DatasetFate, for the report
+        self._samplers = _PerObject()   # the user's sampler -> weak reference to its FollowingSampler
+        self._replacements = []         # weak references to every FollowingSampler, for the report
+        self._scores = _PerObject()     # dataset -> (complexities, seconds spent scoring)
+        self._left_alone = []           # samplers not replaced, and why
+        self._failures = []
+
+    # -- DataLoader(...) --------------------------------------------------------------------
+    def on_init(self, wrapped, instance, args, kwargs):
+        try:
+            bound = inspect.signature(wrapped).bind(*args, **kwargs)
+        except TypeError:
+            return wrapped(*args, **kwargs)   # DataLoader reports the bad call itself
+        arguments = bound.arguments
+        try:
+            if self.settings.backend is not None and "dataset" in arguments:
+                arguments["dataset"] = self._serve(arguments["dataset"])
+            if self.complexity_fn is not None and arguments.get("sampler") is not None:
+                arguments["sampler"] = self._balanced(arguments["sampler"], arguments["dataset"],
+                                                      arguments.get("batch_size", 1))
+        except Exception as e:
+            self._failures.append(f"{type(e).__name__}: {e}")
+            warnings.warn(f"autopatch: DataLoader left as built, the data patches failed: {e}",
+                          RuntimeWarning, stacklevel=3)
+            return wrapped(*args, **kwargs)
+        return wrapped(*bound.args, **bound.kwargs)
+
+    def _serve(self, dataset):
+        if isinstance(dataset, TransparentCachedDataset):
+            return dataset
+        fate = self._datasets.get(dataset)
+        if fate is None:
+            fate = self._decide(dataset)
+            self._datasets.put(dataset, fate)
+            self._fates.append(fate)
+        return fate.proxy(dataset) if fate.recipe is not None else dataset
+
+    def _decide(self, dataset):
+        cls = type(dataset)
+        label = f"{cls.__module__}.{cls.__qualname__}"
+        if isinstance(dataset, CachedDataset):
+            return _DatasetFate(label, "already a CachedDataset")
+        verdict = probe(dataset)
+        if not verdict.cacheable:
+            return _DatasetFate(label, verdict.reason)
+        recipe = dict(backend=self.settings.backend, signature=verdict.signature, **self._store_options(),
+                      dataset_name=f"{self.settings.name or cls.__qualname__}-{verdict.signature.hex()[:16]}")
+        fate = _DatasetFate(label, recipe=recipe, verdict=verdict, length=len(dataset))
+        loader = CacheLoader(**{k: v for k, v in recipe.items() if k != "signature"}, stamp=verdict.signature)
+        if loader.unavailable:
+            return _DatasetFate(label, f"the cache is unavailable: {loader.unavailable}")
+        loader.prime(verdict.samples)
+        keys, times = list(verdict.samples), []
+        for _ in range(READ_ROUNDS):   # batched, as DataLoader reads through __getitems__
+            start = time.perf_counter()
+            found = loader.peek(keys)
+            times.append((time.perf_counter() - start) / len(keys))
+            if any(v is None for v in found):
+                error = loader.describe().get("last_error") or "a sample written was read back as missing"
+                return _DatasetFate(label, f"the cache does not keep samples: {error}")
+        read = statistics.median(times)
+        if verdict.load_seconds < READ_ADVANTAGE * read:
+            return _DatasetFate(label, f"loading a sample takes {1e6 * verdict.load_seconds:.0f} µs, reading "
+                                       f"it from the cache {1e6 * read:.0f} µs: the cache would not pay")
+        fate.loaders.append(loader)
+        return fate
+
+    def _store_options(self):
+        s = self.settings
+        if s.backend == "local":
+            return {k: v for k, v in (("path", s.path), ("capacity", s.capacity)) if v}
+        if s.backend == "redis":
+            return {"capacity_per_node": s.capacity} if s.capacity else {}
+        return {}
+
+    # -- iter(loader) -----------------------------------------------------------------------
+    def on_iter(self, wrapped, instance, args, kwargs):
+        dataset = instance.dataset
+        fate = self._datasets.get(dataset.__wrapped__) if isinstance(dataset, TransparentCachedDataset) else None
+        if fate is not None and fate.recipe is not None and fate.bypassed is None:
+            try:
+                self._recheck(fate, dataset.__wrapped__)
+            except Exception as e:
+                fate.bypass(f"re-checking a sample failed: {type(e).__name__}: {e}")
+        return wrapped(*args, **kwargs)
+
+    @staticmethod
+    def _recheck(fate, dataset):
+        indices = sorted(fate.verdict.samples)
+        index = indices[fate.rechecks % len(indices)]
+        fate.rechecks += 1
+        if len(dataset) != fate.length:
+            fate.bypass("the dataset's length changed during the run; served uncached from then on")
+        elif encoded_samples(dataset, [index])[index] != fate.verdict.samples[index]:
+            fate.bypass(f"sample {index} changed during the run; served uncached from then on")
+
+    # -- samplers ---------------------------------------------------------------------------
+    def _balanced(self, sampler, dataset, batch_size):
+        known = self._samplers.get(sampler)
+        if known is not None and known() is not None:
+            return known()
+        if not isinstance(sampler, DistributedSampler):
+            return sampler
+        label = f"{type(sampler).__module__}.{type(sampler).__qualname__}"
+        if type(sampler) is not DistributedSampler:
+            return self._leave(sampler, label, "a subclass of DistributedSampler may order samples on purpose")
+        if len(sampler.dataset) != len(dataset):
+            return self._leave(sampler, label, "its dataset is not the loader's")
+        scores = self._scores.get(dataset)
+        if scores is None:
+            start = time.perf_counter()
+            scores = (score_samples(dataset, self.complexity_fn), time.perf_counter() - start)
+            self._scores.put(dataset, scores)
+        replaced = FollowingSampler(sampler, dataset, scores[0], batch_size=batch_size)
+        self._samplers.put(sampler, weakref.ref(replaced))
+        self._replacements.append((weakref.ref(replaced), scores[1]))
+        return replaced
+
+    def _leave(self, sampler, label, reason):
+        if {"sampler": label, "reason": reason} not in self._left_alone:
+            self._left_alone.append({"sampler": label, "reason": reason})
+        return sampler
+
+    # -- uninstall --------------------------------------------------------------------------
+    def hand_back(self):
+        """Loaders built while installed get their own dataset and sampler back."""
+        for fate in self._fates:
+            for loader in fate.loaders:
+                loader.flush()
+            if fate.recipe is not None:
+                fate.bypass("autopatch was disabled")
+        for ref, _ in self._replacements:
+            if ref() is not None:
+                ref().bypass()
+
+    # -- report -----------------------------------------------------------------------------
+    def describe(self):
+        out = {"cache": self._describe_cache(), "balance": self._describe_balance()}
+        if self._failures:
+            out["failures"] = list(self._failures)
+        return out
+
+    def _describe_cache(self):
+        if self.settings.backend is None:
+            return {"enabled": False}
+        total = dict.fromkeys(COUNTS, 0)
+        cached, uncached = [], []
+        for fate in self._fates:
+            if fate.recipe is None:
+                uncached.append({"dataset": fate.label, "reason": fate.reason})
+                continue
+            item = {"dataset": fate.label, "backend": backend_name(self.settings.backend),
+                    "name": fate.recipe["dataset_name"], **dict.fromkeys(COUNTS, 0)}
+            for loader in fate.loaders:
+                figures = loader.describe()
+                for k in COUNTS:
+                    item[k] += figures[k]
+                    total[k] += figures[k]
+                if figures.get("last_error"):
+                    item["last_error"] = figures["last_error"]
+            if fate.bypassed:
+                item["bypassed"] = fate.bypassed
+            cached.append(item)
+        return {"enabled": True, "backend": backend_name(self.settings.backend), **total,
+                "datasets": cached, "uncached": uncached}
+
+    def _describe_balance(self):
+        if self.complexity_fn is None:
+            return {"enabled": False}
+        samplers = []
+        for ref, scoring_seconds in self._replacements:
+            s = ref()
+            if s is None:
+                continue
+            batch = s.batch_size or 1
+            ours = step_spreads(s.rank_indices(), s.complexities, batch)
+            theirs = step_spreads(distributed_sampler_indices(s.dataset, s.num_replicas, s.seed, s.epoch,
+                                                              s.shuffle, s.drop_last), s.complexities, batch)
+            samplers.append({"ranks": s.num_replicas, "rank": s.rank, "batch_size": s.batch_size,
+                             "epoch": s.epoch, "samples_scored": len(s.complexities),
+                             "scoring_seconds": round(scoring_seconds, 3),
+                             "complexity_max_over_mean": {"balanced": spread_summary(ours),
+                                                          "distributed_sampler": spread_summary(theirs)}})
+        balance = self.settings.balance
+        return {"enabled": True, "samplers": samplers, "left_alone": list(self._left_alone),
+                "complexity": balance if isinstance(balance, str) else getattr(balance, "__qualname__", repr(balance))}

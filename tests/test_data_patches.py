@@ -1,0 +1,216 @@
+"""The data patches on unchanged programs: which datasets the cache serves and which it leaves
+alone, training unchanged either way, a cache that outlives the run and is never stale, the
+DistributedSampler replaced, and DataLoader restored exactly."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from autopatch.data import LoadBalancingDistributedSampler
+from autopatch.data.patches import DataPatches, cache_backend
+from autopatch.patching import Ledger
+from conftest import clean_env, run_python, spawn_two_ranks, write_script
+from data_fixtures import Features, NumpyAugmented, PythonAugmented, Stream, TorchAugmented
+
+
+@pytest.fixture
+def installed(tmp_path):
+    """Install with the local store in a fresh directory; uninstall however the test ends."""
+    ledgers = []
+
+    def install(**settings):
+        ledger, patches = Ledger(), DataPatches(**{"cache": "1", "path": tmp_path / "cache", **settings})
+        patches.install(ledger)
+        ledgers.append(ledger)
+        return patches
+
+    yield install
+    for ledger in ledgers:
+        ledger.uninstall()
+
+
+def rng_states():
+    return (random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state())
+
+
+def train(datasets, epochs=2):
+    """A seeded model trained on every dataset in turn, through 2 workers; its weights."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loaders = [DataLoader(d, batch_size=8, shuffle=True, num_workers=2) for d in datasets]
+    for _ in range(epochs):
+        for loader in loaders:
+            for x, y in loader:
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+    return [p.detach().clone() for p in model.parameters()], loaders
+
+
+def test_cached_and_augmented_datasets_train_as_unpatched(installed):
+    datasets = [Features(48), TorchAugmented(48), NumpyAugmented(48), PythonAugmented(48)]
+    plain, _ = train(datasets)
+    patches = installed()
+    patched, loaders = train(datasets)
+    assert all(torch.equal(a, b) for a, b in zip(plain, patched))
+    report = patches.describe()["cache"]
+    assert [d["dataset"] for d in report["datasets"]] == ["data_fixtures.Features"]
+    assert report["hits"] > 0 and report["errors"] == 0
+    assert sorted(u["dataset"] for u in report["uncached"]) == \
+        ["data_fixtures.NumpyAugmented", "data_fixtures.PythonAugmented", "data_fixtures.TorchAugmented"]
+    assert all("differs between loads" in u["reason"] for u in report["uncached"])
+    assert loaders[0].dataset.n == 48 and isinstance(loaders[0].dataset, Features)   # looks like itself
+    assert loaders[1].dataset is datasets[1]
+
+
+def test_probing_leaves_every_random_state_as_it_was(installed):
+    installed()
+    before = rng_states()
+    DataLoader(TorchAugmented(16))
+    DataLoader(Features(16))
+    after = rng_states()
+    assert before[0] == after[0] and before[1] == after[1] and torch.equal(before[2], after[2])
+
+
+def test_iterable_and_cheap_datasets_left_alone_with_the_reason(installed):
+    patches = installed()
+    stream, tensors = Stream(), TensorDataset(torch.arange(64.0))
+    assert DataLoader(stream).dataset is stream
+    assert DataLoader(tensors, batch_size=4).dataset is tensors
+    reasons = {u["dataset"]: u["reason"] for u in patches.describe()["cache"]["uncached"]}
+    assert "no index" in reasons["data_fixtures.Stream"]
+    assert "would not pay" in reasons["torch.utils.data.dataset.TensorDataset"]
+
+
+def test_a_sample_that_changes_during_the_run_turns_the_cache_off(installed):
+    patches = installed()
+    dataset = Features(16)
+    loader = DataLoader(dataset, batch_size=4)
+    list(loader)
+    dataset.version = 7   # the program changes its data between epochs
+    fresh = [x for x, _ in DataLoader(Features(16, version=7), batch_size=4)]
+    assert all(torch.equal(a, b) for (a, _), b in zip(loader, fresh))
+    assert "changed during the run" in patches.describe()["cache"]["datasets"][0]["bypassed"]
+
+
+def test_install_and_uninstall_restore_dataloader_exactly(tmp_path):
+    originals = {k: vars(DataLoader)[k] for k in ("__init__", "__iter__")}
+    ledger, patches = Ledger(), DataPatches(cache="local", path=tmp_path / "c", balance="len")
+    patches.install(ledger)
+    assert vars(DataLoader)["__init__"] is not originals["__init__"]
+    dataset = Features(16)
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=0)
+    during = DataLoader(dataset, batch_size=4, sampler=sampler)
+    ledger.uninstall()
+    assert {k: vars(DataLoader)[k] for k in originals} == originals
+    after = DataLoader(dataset, batch_size=4, sampler=sampler)
+    assert after.dataset is dataset and after.sampler is sampler
+    assert list(during.sampler) == list(sampler)   # handed back to the user's own sampler
+    assert patches.describe()["cache"]["datasets"][0]["bypassed"] == "autopatch was disabled"
+
+
+class Ragged(Features):
+    def __getitem__(self, i):
+        return torch.zeros(1 + (i * 5) % 13), i
+
+
+def test_distributed_sampler_replaced_and_set_epoch_on_the_users_object(installed):
+    patches = installed(cache=None, balance="len")
+    dataset = Ragged(30)
+    samplers = [DistributedSampler(dataset, num_replicas=2, rank=r, seed=4) for r in range(2)]
+    loaders = [DataLoader(dataset, batch_size=3, sampler=s, collate_fn=list) for s in samplers]
+    lengths = [float(1 + (i * 5) % 13) for i in range(30)]
+    orders = {}
+    for epoch in (0, 1):
+        for s in samplers:
+            s.set_epoch(epoch)   # on the user's own objects, as training loops do
+        orders[epoch] = [list(loader.sampler) for loader in loaders]
+        for rank in range(2):
+            same = LoadBalancingDistributedSampler(dataset, None, 2, rank, seed=4, batch_size=3, complexities=lengths)
+            same.set_epoch(epoch)
+            assert orders[epoch][rank] == list(same)
+        assert sorted(orders[epoch][0] + orders[epoch][1]) == list(range(30))
+    assert orders[0] != orders[1]
+    report = patches.describe()["balance"]
+    assert [s["rank"] for s in report["samplers"]] == [0, 1]
+    spread = report["samplers"][0]["complexity_max_over_mean"]
+    assert spread["balanced"]["steps"] == spread["distributed_sampler"]["steps"] == 5
+    assert spread["balanced"]["worst"] < spread["distributed_sampler"]["worst"]
+
+
+def test_distributed_sampler_subclasses_are_left_alone(installed):
+    patches = installed(cache=None, balance="len")
+
+    class Mine(DistributedSampler):
+        pass
+
+    dataset = Features(8)
+    sampler = Mine(dataset, num_replicas=2, rank=1)
+    assert DataLoader(dataset, sampler=sampler).sampler is sampler
+    assert "subclass" in patches.describe()["balance"]["left_alone"][0]["reason"]
+
+
+def test_settings_are_checked_at_once():
+    assert [cache_backend(v) for v in (None, "0", "1", True, "redis", "redis://h:1")] == \
+        [None, None, "local", "local", "redis", "redis://h:1"]
+    with pytest.raises(ValueError):
+        DataPatches(cache="memcached")
+    with pytest.raises(ValueError):
+        DataPatches(balance="not a function")
+
+
+RUN = """
+import json, sys
+from autopatch.data.patches import DataPatches
+from autopatch.patching import Ledger
+
+patches = DataPatches(cache="1", path=sys.argv[1])
+patches.install(Ledger())
+assert "torch" not in sys.modules   # installed before the program imports torch
+import torch
+from torch.utils.data import DataLoader
+from data_fixtures import Features
+
+dataset = Features(40, version=int(sys.argv[2]))
+seen = torch.cat([x for x, _ in DataLoader(dataset, batch_size=8, num_workers=2)])
+plain = torch.cat([x for x, _ in DataLoader(Features(40, version=int(sys.argv[2])), batch_size=8)])
+report = patches.describe()["cache"]["datasets"][0]
+print(json.dumps({"equal": torch.equal(seen, plain), "hits": report["hits"], "misses": report["misses"]}))
+"""
+
+
+def test_a_second_run_reads_the_cache_and_a_changed_dataset_does_not(tmp_path):
+    script = write_script(tmp_path / "run.py", RUN)
+    runs = []
+    for version in (1, 1, 2):
+        done = run_python([script, tmp_path / "cache", version], env=clean_env(OMP_NUM_THREADS=1))
+        assert done.returncode == 0, done.stderr
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    cold, warm, changed = runs
+    assert all(r["equal"] for r in runs)
+    assert (cold["misses"], warm["misses"], warm["hits"]) == (36, 0, 40)   # 4 samples came from the probe
+    assert changed["misses"] == 36 and changed["hits"] == 4
+
+
+def test_two_ranks_share_redis_and_train_on_balanced_samplers(tmp_path_factory):
+    results, outputs, codes = spawn_two_ranks("data_worker.py", "zero_code", tmp_path_factory, timeout=150)
+    assert codes == [0, 0] and len(results) == 2, "\n".join(outputs)
+    r0, r1 = results[0], results[1]
+    assert r0["urls"] == r1["urls"] and len(r0["urls"]) == 1   # one node: rank 0's server
+    assert r0["sampler"] == "FollowingSampler"
+    for epoch in (0, 1):
+        both = r0["epochs"][epoch] + r1["epochs"][epoch]
+        assert len(r0["epochs"][epoch]) == len(r1["epochs"][epoch]) == 20 and sorted(both) == list(range(40))
+    assert r0["epochs"][0] != r0["epochs"][1]
+    cache = [r["report"]["cache"] for r in (r0, r1)]
+    assert all(c["backend"] == "redis" and c["errors"] == 0 for c in cache)
+    assert sum(c["hits"] for c in cache) >= 40   # epoch 2 (and scoring) read what was written
+    import redis
+    with pytest.raises(redis.ConnectionError):   # rank 0 stopped its server at exit
+        redis.Redis.from_url(r0["urls"][0], socket_connect_timeout=1).ping()
