@@ -33,7 +33,7 @@ from autopatch import policy as ap_policy
 
 from harness.alternation import quartiles, round_ratios, turns
 from harness.machine import closing, summary
-from harness.own_runtime import adopt_alone, auto_has_chosen
+from harness.adoption import adopt_alone, auto_has_chosen
 from harness.report import markdown
 from harness.steps import Contender
 from harness.workloads import encoder

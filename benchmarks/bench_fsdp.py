@@ -38,7 +38,7 @@ from harness import launch
 from harness.alternation import rotated
 from harness.machine import summary
 from harness.optimizers import BertAdam
-from harness.own_runtime import adopt_alone, assert_fused
+from harness.adoption import adopt_alone, assert_fused
 from harness.report import markdown
 from harness.states import assert_trained_alike
 from harness.workloads import stack

@@ -25,7 +25,7 @@ from autopatch.fusion.chunking import default_chunk_bytes
 from harness.alternation import turns
 from harness.machine import closing, load_average, summary
 from harness.optimizers import BertAdam
-from harness.own_runtime import adopt_alone, assert_fused
+from harness.adoption import adopt_alone, assert_fused
 from harness.report import markdown
 from harness.states import assert_trained_alike
 from harness.steps import Contender

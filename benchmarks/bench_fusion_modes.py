@@ -51,7 +51,7 @@ from harness.alternation import median_ms, quartiles, round_ratios
 from harness.machine import closing, summary
 from harness.memory import peak_memory_bytes, pin_mmap_threshold, reset_peak_memory
 from harness.optimizers import BertAdam
-from harness.own_runtime import auto_has_chosen
+from harness.adoption import auto_has_chosen
 from harness.processes import Worker, in_turns, serve
 from harness.report import markdown
 from harness.states import compare_states

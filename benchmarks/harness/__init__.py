@@ -5,7 +5,7 @@
 - processes: contenders in processes of their own, driven round by round;
 - launch: N gloo ranks over loopback; netns (with delay_line): over a shaped network;
 - machine, report: the machine and code under test, Markdown tables;
-- states, own_runtime: same training result?, one optimizer under autopatch alone;
+- states, adoption: same training result?, one optimizer under autopatch alone;
 - workloads, optimizers, memory: models and batches, BertAdam, peak resident memory.
 
 Nothing is imported here, so ``tests/training.py`` can take ``BertAdam`` without pulling in
