@@ -107,8 +107,8 @@ def _at_exit():
     from .reporting.json_report import write_report
     from .reporting.summary import summary
     last = _last
-    if last is None or not last.optimizers:
-        return   # a launcher (torchrun) or a helper process: no optimizer, nothing to report
+    if last is None or not (last.optimizers or last.served_data):
+        return   # a launcher (torchrun) or a helper process: no optimizer, no data, nothing to report
     rep = report()
     if last.policy.logging.report:
         try:

@@ -88,6 +88,19 @@ class Autotune:
 
 
 @dataclass(frozen=True)
+class Data:
+    cache_backend: object = None       # None: no cache; local, redis, or redis://host:port URLs
+    cache_name: object = None          # prefix of every cache name
+    cache_capacity: object = None      # bytes: the local store's size, or each Redis server's memory
+    cache_path: object = None          # the local store's directory
+    load_balance: object = None        # None, len, or module:function scoring a sample
+
+    @property
+    def wanted(self):
+        return self.cache_backend is not None or self.load_balance is not None
+
+
+@dataclass(frozen=True)
 class Logging:
     tensorboard_dir: object = None
     report: object = None
@@ -103,6 +116,7 @@ class Policy:
     fusion: Fusion = field(default_factory=Fusion)
     allreduce: Allreduce = field(default_factory=Allreduce)
     autotune: Autotune = field(default_factory=Autotune)
+    data: Data = field(default_factory=Data)
     logging: Logging = field(default_factory=Logging)
 
     def to_dict(self):
@@ -110,7 +124,9 @@ class Policy:
 
 
 _SECTIONS = {"optimizers": Optimizers, "fusion": Fusion, "allreduce": Allreduce,
-             "autotune": Autotune, "logging": Logging}
+             "autotune": Autotune, "data": Data, "logging": Logging}
+# Keys whose value may be a mapping of their own (``data: {cache: {backend: ..., name: ...}}``).
+_NESTED = ("data.cache",)
 _SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$")
 _UNITS = {None: 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
@@ -210,6 +226,20 @@ def _knobs(v):
     return v
 
 
+def _cache_backend(v):
+    """A cache backend: true/1/local, redis, or redis://host:port URLs; false/null: no cache."""
+    from .data.patches import cache_backend   # torch-free: the same rule as the data room's
+    return cache_backend(v)
+
+
+def _complexity(v):
+    from .data.complexity import check_complexity_spec
+    if v is None or v is False:
+        return None
+    check_complexity_spec(v)
+    return v
+
+
 def _optional_int(v):
     return None if v is None else _typed(int, 1)(v)
 
@@ -259,6 +289,9 @@ _CHECKS = {
     "autotune.max_samples": _typed(int, 1, 1000), "autotune.batch_size": _optional_int,
     "autotune.bounds": _bounds, "autotune.log_csv": _optional_path,
     "autotune.resume": _optional_path, "autotune.save_best": _optional_path,
+    "data.cache": _cache_backend, "data.cache.backend": _cache_backend,
+    "data.cache.name": _optional_path, "data.cache.capacity": lambda v: None if v is None else _size(v),
+    "data.cache.path": _optional_path, "data.load_balance": _complexity,
     "logging.tensorboard_dir": _optional_path, "logging.report": _optional_path,
     "logging.summary": _typed(bool),
 }
@@ -302,7 +335,7 @@ _REPLACED = {"fusion.compile": "fusion.compile was removed: use fusion.exact: ro
 
 # Another spelling -> the key it sets: Bagua's knob, and auto_order from when auto took a fixed order.
 _SPELLINGS = {"allreduce.bucket_size_2p": "allreduce.bucket_bytes",
-              "fusion.auto_order": "fusion.auto_candidates"}
+              "fusion.auto_order": "fusion.auto_candidates", "data.cache": "data.cache.backend"}
 
 
 def _apply(values, updates, where, lines):
@@ -322,7 +355,7 @@ def _apply(values, updates, where, lines):
         if _SPELLINGS.get(key) in updates:
             raise PolicyError(f"{loc}: key '{key}': give either {key} or {_SPELLINGS[key]}, not both")
         section, name = _SPELLINGS.get(key, key).split(".", 1)
-        values[section][name] = value
+        values[section][name.replace(".", "_")] = value
 
 
 def _flatten(doc, where, lines):
@@ -342,7 +375,10 @@ def _flatten(doc, where, lines):
             if not isinstance(val, dict):
                 raise PolicyError(f"{loc}: key '{key}': expected a mapping, got {type(val).__name__}")
             for sub, v in val.items():
-                flat[f"{key}.{sub}"] = v
+                if f"{key}.{sub}" in _NESTED and isinstance(v, dict):
+                    flat.update((f"{key}.{sub}.{k}", x) for k, x in v.items())
+                else:
+                    flat[f"{key}.{sub}"] = v
         else:
             raise PolicyError(f"{loc}: unknown key '{key}' (known: version, name, {', '.join(_SECTIONS)})")
     if "version" in meta and meta["version"] != SCHEMA_VERSION:

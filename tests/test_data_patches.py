@@ -19,7 +19,7 @@ from data_fixtures import Features, NumpyAugmented, PythonAugmented, Stream, Tor
 
 
 @pytest.fixture
-def installed(tmp_path):
+def data_patches(tmp_path):
     """Install with the local store in a fresh directory; uninstall however the test ends."""
     ledgers = []
 
@@ -53,10 +53,10 @@ def train(datasets, epochs=2):
     return [p.detach().clone() for p in model.parameters()], loaders
 
 
-def test_cached_and_augmented_datasets_train_as_unpatched(installed):
+def test_cached_and_augmented_datasets_train_as_unpatched(data_patches):
     datasets = [Features(48), TorchAugmented(48), NumpyAugmented(48), PythonAugmented(48)]
     plain, _ = train(datasets)
-    patches = installed()
+    patches = data_patches()
     patched, loaders = train(datasets)
     assert all(torch.equal(a, b) for a, b in zip(plain, patched))
     report = patches.describe()["cache"]
@@ -69,8 +69,8 @@ def test_cached_and_augmented_datasets_train_as_unpatched(installed):
     assert loaders[1].dataset is datasets[1]
 
 
-def test_probing_leaves_every_random_state_as_it_was(installed):
-    installed()
+def test_probing_leaves_every_random_state_as_it_was(data_patches):
+    data_patches()
     before = rng_states()
     DataLoader(TorchAugmented(16))
     DataLoader(Features(16))
@@ -78,8 +78,8 @@ def test_probing_leaves_every_random_state_as_it_was(installed):
     assert before[0] == after[0] and before[1] == after[1] and torch.equal(before[2], after[2])
 
 
-def test_iterable_and_cheap_datasets_left_alone_with_the_reason(installed):
-    patches = installed()
+def test_iterable_and_cheap_datasets_left_alone_with_the_reason(data_patches):
+    patches = data_patches()
     stream, tensors = Stream(), TensorDataset(torch.arange(64.0))
     assert DataLoader(stream).dataset is stream
     assert DataLoader(tensors, batch_size=4).dataset is tensors
@@ -88,8 +88,8 @@ def test_iterable_and_cheap_datasets_left_alone_with_the_reason(installed):
     assert "would not pay" in reasons["torch.utils.data.dataset.TensorDataset"]
 
 
-def test_a_sample_that_changes_during_the_run_turns_the_cache_off(installed):
-    patches = installed()
+def test_a_sample_that_changes_during_the_run_turns_the_cache_off(data_patches):
+    patches = data_patches()
     dataset = Features(16)
     loader = DataLoader(dataset, batch_size=4)
     list(loader)
@@ -120,8 +120,8 @@ class Ragged(Features):
         return torch.zeros(1 + (i * 5) % 13), i
 
 
-def test_distributed_sampler_replaced_and_set_epoch_on_the_users_object(installed):
-    patches = installed(cache=None, balance="len")
+def test_distributed_sampler_replaced_and_set_epoch_on_the_users_object(data_patches):
+    patches = data_patches(cache=None, balance="len")
     dataset = Ragged(30)
     samplers = [DistributedSampler(dataset, num_replicas=2, rank=r, seed=4) for r in range(2)]
     loaders = [DataLoader(dataset, batch_size=3, sampler=s, collate_fn=list) for s in samplers]
@@ -144,8 +144,8 @@ def test_distributed_sampler_replaced_and_set_epoch_on_the_users_object(installe
     assert spread["balanced"]["worst"] < spread["distributed_sampler"]["worst"]
 
 
-def test_distributed_sampler_subclasses_are_left_alone(installed):
-    patches = installed(cache=None, balance="len")
+def test_distributed_sampler_subclasses_are_left_alone(data_patches):
+    patches = data_patches(cache=None, balance="len")
 
     class Mine(DistributedSampler):
         pass
@@ -167,31 +167,32 @@ def test_settings_are_checked_at_once():
 
 RUN = """
 import json, sys
-from autopatch.data.patches import DataPatches
-from autopatch.patching import Ledger
-
-patches = DataPatches(cache="1", path=sys.argv[1])
-patches.install(Ledger())
-assert "torch" not in sys.modules   # installed before the program imports torch
 import torch
 from torch.utils.data import DataLoader
 from data_fixtures import Features
 
-dataset = Features(40, version=int(sys.argv[2]))
+dataset = Features(40, version=int(sys.argv[1]))
 seen = torch.cat([x for x, _ in DataLoader(dataset, batch_size=8, num_workers=2)])
-plain = torch.cat([x for x, _ in DataLoader(Features(40, version=int(sys.argv[2])), batch_size=8)])
-report = patches.describe()["cache"]["datasets"][0]
-print(json.dumps({"equal": torch.equal(seen, plain), "hits": report["hits"], "misses": report["misses"]}))
+plain = torch.cat([Features(40, version=int(sys.argv[1]))[i][0][None] for i in range(40)])
+print(json.dumps({"equal": torch.equal(seen, plain)}))
 """
 
 
-def test_a_second_run_reads_the_cache_and_a_changed_dataset_does_not(tmp_path):
+def test_a_second_run_reads_the_cache_and_a_changed_dataset_does_not(tmp_path, installed):
+    """Zero-code: the program knows nothing of autopatch; FUSEDOPT_DATA_CACHE=1 serves its
+    DataLoader through the local store (here in a fresh directory the policy names)."""
     script = write_script(tmp_path / "run.py", RUN)
+    policy = tmp_path / "cache.yaml"
+    policy.write_text(f"data:\n  cache:\n    path: {tmp_path / 'cache'}\n")
     runs = []
     for version in (1, 1, 2):
-        done = run_python([script, tmp_path / "cache", version], env=clean_env(OMP_NUM_THREADS=1))
+        report = tmp_path / f"report{len(runs)}.json"
+        env = clean_env(OMP_NUM_THREADS=1, FUSEDOPT_ENABLE=1, FUSEDOPT_DATA_CACHE=1, FUSEDOPT_POLICY=policy,
+                        FUSEDOPT_REPORT=report)
+        done = run_python([script, version], env=env)
         assert done.returncode == 0, done.stderr
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        cache = json.loads(report.read_text())["data"]["cache"]
+        runs.append(dict(json.loads(done.stdout.strip().splitlines()[-1]), **cache["datasets"][0]))
     cold, warm, changed = runs
     assert all(r["equal"] for r in runs)
     assert (cold["misses"], warm["misses"], warm["hits"]) == (36, 0, 40)   # 4 samples came from the probe

@@ -105,9 +105,11 @@ class LoaderHooks:
         self._scores = _PerObject()     # dataset -> (complexities, seconds spent scoring)
         self._left_alone = []           # samplers not replaced, and why
         self._failures = []
+        self.loaders = 0                # DataLoaders built while installed
 
     # -- DataLoader(...) --------------------------------------------------------------------
     def on_init(self, wrapped, instance, args, kwargs):
+        self.loaders += 1
         try:
             bound = inspect.signature(wrapped).bind(*args, **kwargs)
         except TypeError:

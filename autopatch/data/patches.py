@@ -63,6 +63,11 @@ class DataPatches:
         self._patched = False
 
     @property
+    def served(self):
+        """True once a DataLoader was built while the patches were installed."""
+        return self.hooks is not None and self.hooks.loaders > 0
+
+    @property
     def wanted(self):
         return self.backend is not None or self.balance is not None
 

@@ -29,6 +29,7 @@ class Runtime:
         self.active = False
         self.started = time.perf_counter()
         self.comm = None   # the DDP takeover (comm/), once DistributedDataParallel is imported
+        self.data = None   # the data side's patches (data/), when the policy asks for them
         self._optimizers_patched = False
         self._by_id = {}
         self._detach = lambda: None
@@ -44,6 +45,21 @@ class Runtime:
         self._when_imported("torch.optim", self._patch_torch)
         if self.policy.allreduce.enabled is not False:
             self._when_imported("torch.nn.parallel.distributed", self._take_over_ddp)
+        self._serve_data()
+
+    def _serve_data(self):
+        """The data side (data/), when the policy asks: every DataLoader's map-style dataset
+        served through the sample cache, its DistributedSampler balanced."""
+        data = self.policy.data
+        if not data.wanted:
+            self.sections.add("data", lambda: {"active": False, "reason": "data.cache and data.load_balance are off"})
+            return
+        from ..data.patches import DataPatches
+        patches = DataPatches(cache=data.cache_backend, name=data.cache_name, capacity=data.cache_capacity,
+                              path=data.cache_path, balance=data.load_balance)
+        patches.install(self.ledger)
+        self.data = patches
+        self.sections.add("data", lambda: dict(patches.describe(), active=True))
 
     def _when_imported(self, name, patch):
         """``patch(module)`` now if ``name`` is imported, else right after its import."""

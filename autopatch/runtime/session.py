@@ -38,6 +38,11 @@ class Session:
             ctrl.release(reason)
 
     @property
+    def served_data(self):
+        """True once the data side served a DataLoader (the cache or the balanced sampler)."""
+        return self.runtime.data is not None and self.runtime.data.served
+
+    @property
     def allreduce(self):
         """The DDP takeover's knobs (``set_bucket_bytes``, ``set_compression``,
         ``set_hierarchical``), or None when DistributedDataParallel was never taken over."""
