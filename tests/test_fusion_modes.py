@@ -394,7 +394,7 @@ def test_auto_measures_each_mode_the_watch_allows_and_reports_the_figures():
 def test_auto_keeps_off_when_fusion_is_clearly_slower():
     """1 KiB chunks cut every 128 x 128 weight into 64 chunks: about 600 tiny updates a step
     instead of one pass over 18 tensors, an order of magnitude slower than unpatched, so auto
-    must keep off."""
+    must keep off, and drop multi_layer within a few rounds (of 4 steps here)."""
     data = batches(60, width=128)
     ref = reference(data, model=mlp(width=128, depth=8))
     got, entry, _ = patched(data, model=mlp(width=128, depth=8), mode="auto", chunk_bytes=1024,
@@ -403,7 +403,8 @@ def test_auto_keeps_off_when_fusion_is_clearly_slower():
     auto = entry["auto"]
     assert entry["mode"] == auto["chosen"] == "off", entry["reason"]
     assert "no mode was faster than unpatched" in entry["reason"]
-    assert set(auto["ms_per_step"]) == {"off", "multi_layer"} and auto["rounds"] == 4
+    assert set(auto["ms_per_step"]) == {"off", "multi_layer"}
+    assert auto["rounds"] <= 5 and auto["dropped"]["multi_layer"]["why"].startswith(("not faster", "slower"))
 
 
 def until_mode(mode, model, opt, data, sched, then):

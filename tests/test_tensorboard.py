@@ -131,6 +131,7 @@ def test_plugin_routes_serve_the_run(server):
     [measured] = json.loads(get(f"{base}/data/plugin/autopatch/run?run=auto")[2])["auto"]
     assert measured["chosen"] == auto["chosen"] and measured["ms_per_step"] == auto["ms_per_step"]
     assert measured["measure_steps"] == auto["measure_steps"] <= 48
+    assert measured["ran"] == auto["ran"] and measured["dropped"] == auto["dropped"]
     with pytest.raises(urllib.error.HTTPError):
         get(f"{base}/data/plugin/autopatch/run?run=../..")
 
@@ -223,6 +224,11 @@ def test_dashboard_tab_in_headless_chromium(server, tmp_path):
         assert modes == auto["candidates"]
         chosen = driver.find_element(By.CSS_SELECTOR, "#auto tr.chosen").text.split()
         assert chosen[0] == auto["chosen"] and f"chose {auto['chosen']}" in driver.find_element(By.ID, "auto").text
+        ran = [int(c.text) for c in driver.find_elements(By.CSS_SELECTOR, "#auto tbody td.ran")]
+        assert ran == [auto["ran"][m] for m in auto["candidates"]]       # the steps each mode ran
+        left = [c.text for c in driver.find_elements(By.CSS_SELECTOR, "#auto tbody td.left")]
+        assert all(f"step {auto['dropped'][m]['step']}" in t for m, t in zip(auto["candidates"], left)
+                   if m in auto["dropped"])
         driver.switch_to.default_content()
         driver.save_screenshot(str(tmp_path / "autopatch-dashboard.png"))
         assert (tmp_path / "autopatch-dashboard.png").stat().st_size > 10_000

@@ -36,25 +36,29 @@ class AutoMode:
     def can_measure(self):
         return len(self.history) < MAX_MEASUREMENTS
 
-    def start(self, allowed, ruled_out, why, step, device, agree=None):
-        """Measure ``off`` and ``allowed``; returns the mode to run first, or None when there is
-        nothing to measure (``result`` then says off, and why)."""
+    def start(self, allowed, ruled_out, why, step, device, agree=None, current="off"):
+        """Race ``off`` and ``allowed`` (``current``, the mode running now, first); returns the
+        mode to run first, or None when there is nothing to measure (``result`` then says off,
+        and why)."""
         self.ruled_out = dict(ruled_out)
         self.race = None
         if not allowed:
             self.result = {"chosen": "off", "why": "no fused mode is allowed for this run"}
             return None
         self.history.append({"step": step, "why": why, "modes": ["off", *allowed]})
-        self.race = ModeRace(["off", *allowed], self.measure_steps, clock_for(device), agree)
+        self.race = ModeRace(["off", *allowed], self.measure_steps, clock_for(device), agree, first=current)
         return self.race.mode
 
     def boundary(self):
         """After a step while measuring: the mode for the next step (the choice once made)."""
         mode = self.race.boundary()
         if self.race.result is not None:
-            self.result = dict(self.race.result)
+            start = self.history[-1]["step"]     # race steps count from the step after it
+            self.result = dict(self.race.result, decided_at_step=start + self.race.result["steps"])
+            self.result["dropped"] = {m: dict(d, step=start + d["step"]) for m, d in self.result["dropped"].items()}
             self.history[-1].update(steps=self.result["steps"], seconds=self.result["seconds"],
-                                    chosen=self.result["chosen"])
+                                    chosen=self.result["chosen"], ran=self.result["ran"],
+                                    dropped=self.result["dropped"])
             self.race = None
         return mode
 
@@ -67,8 +71,9 @@ class AutoMode:
 
     def measuring_reason(self):
         r = self.race
-        return (f"auto: measuring {', '.join(r.modes)} in turns ({r.rounds} rounds of {r.window} "
-                f"timed steps each, at most {r.max_steps} steps; {self.history[-1]['why']})")
+        return (f"auto: racing {', '.join(r.alive)} in rounds of {r.window} timed steps each, dropping "
+                f"what the rounds show slower beyond the noise (at most {r.max_steps} steps; "
+                f"{self.history[-1]['why']})")
 
     def reason(self):
         r = self.result
@@ -84,6 +89,7 @@ class AutoMode:
             else:
                 out += (f": {ms(times[r['chosen']])} ms/step vs {ms(times['off'])} unpatched "
                         f"({r['speedup_vs_off']:.2f}x)" + (f"; also measured {others}" if others else ""))
+            out += f" (decided after {r['steps']} steps of measuring)"
         if self.ruled_out:
             out += "; " + "; ".join(f"not {m}: {why}" for m, why in self.ruled_out.items())
         return out

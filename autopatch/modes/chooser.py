@@ -186,7 +186,7 @@ class ModeChooser:
                 ruled_out[mode] = "ruled out in another process"
             agree = dist.agree
         device = next((p.device for g in opt.param_groups for p in g["params"]), torch.device("cpu"))
-        first = self.auto.start(allowed, ruled_out, why, step, device, agree)
+        first = self.auto.start(allowed, ruled_out, why, step, device, agree, current=current)
         if first is None:
             return Decision(OFF, self.auto.reason())
         self.phase = MEASURING
@@ -229,7 +229,7 @@ class ModeChooser:
         new = self.eligibility.block(modes, what)
         running = current if current in modes else None
         race = self.auto.race if self.auto is not None else None
-        if self._auto_measures() and (running or (race is not None and set(new) & set(race.modes))):
+        if self._auto_measures() and (running or (race is not None and set(new) & set(race.alive))):
             self.remeasure = f"{what} at step {step}"
         if running is None:
             return None

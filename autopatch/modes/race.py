@@ -1,37 +1,65 @@
-"""Mode auto's measurement: which fusion mode trains this run fastest, timed on the run itself.
+"""Mode auto's measurement: which fusion mode trains this run fastest, timed on the run itself, as
+a race that ends as soon as the answer is clear.
 
-The candidate modes, ``off`` (unpatched) first, take turns in rounds. In each round every
-candidate runs one settling step, not timed (the first step after a switch re-plans flat buffers,
-a one-off cost), then a window of timed steps; the order rotates from round to round. Load from
-other work comes and goes over seconds, so a candidate is judged by its ratio to ``off`` within
-each round, which that load mostly cancels out of, and by the median of those ratios.
+The candidates (``off``, unpatched, among them) take turns in rounds. In each round every candidate
+still in the race runs one settling step, not timed (the first step after a switch re-plans flat
+buffers: a one-off cost, counted as measuring), then ``WINDOW`` timed step(s); the order rotates
+from round to round. The first round starts with the mode already running, then the cheapest switches:
+``multi_layer`` plans the flat buffers, which ``backward`` and ``forward`` then adopt where they lie.
 
-What is timed is the whole training iteration, from the end of one ``step()`` of the optimizer
-to the end of the next: backward and forward fusion move the update out of ``step()`` into
-backward or the next forward, so only the whole iteration compares modes fairly.
+What is timed is the whole training iteration, from the end of one ``step()`` of the optimizer to
+the end of the next: backward and forward fusion move the update out of ``step()``.
 
-``off`` stays unless a mode is faster beyond the noise: its median ratio to ``off`` is at least
-``MIN_GAIN`` below 1, and even its upper-quartile round was faster than ``off``. Among such modes
-the lowest median ratio wins.
+After each round from the second on, the log step times of the candidates still in are fitted as
+a mode effect plus a round effect (load from other work comes and goes over seconds: the round
+effect takes it out), and the residual spread, pooled over modes and rounds and never taken below
+``NOISE_FLOOR``, is the measured noise. A difference counts only beyond a Student-t confidence
+half-width of it (``h``). Then:
+
+- a candidate is dropped once it is slower than off, or not faster than off by ``MIN_GAIN``,
+  beyond the noise, or slower than the leader beyond the noise;
+- off is dropped once the leader is faster than it by ``MIN_GAIN`` beyond the noise; from then
+  on, a candidate that could beat the leader by no more than ``TIE`` even at the edge of the noise
+  is dropped too (the difference is not worth more measuring), and after ``ENDGAME`` more rounds
+  the leader is taken: every mode left beats unpatched, and on a noisy machine telling them apart
+  could take the whole budget;
+- the race ends when one mode is left, or when the budget (``max_steps``) cannot fit another round:
+  then off stays unless the leader beats it by ``MIN_GAIN`` beyond the noise.
+
+So off stays unless a mode is faster beyond the noise, a clearly slower mode is dropped after two
+rounds, and a clear winner is chosen after two rounds.
 
 On CUDA, step boundaries are CUDA events recorded on the training stream and read only once
-``query()`` says they completed, so measuring never waits for the device; the decision waits a
-few steps for the last events instead (``grace``).
+``query()`` says they completed, so measuring never waits for the device: a round whose timings
+are not in yet is judged later, and at the end the decision waits a few steps (``grace``).
 
-The schedule depends on step counts only, so every process of a multi-process run walks it in
-step; the decision goes through ``agree`` (rank 0's decision on every rank), so all switch to
-the chosen mode at the same step.
+The schedule depends on step counts and on decisions only, and every decision goes through
+``agree`` (rank 0's decision on every rank), so every process of a multi-process run walks the
+same schedule and switches at the same step.
 """
 
+import math
 import statistics
 import time
 
 import torch
 
-WINDOW = 5        # timed steps per candidate per round, at most
-SETTLE = 1        # steps after a switch that are not timed
-MIN_ROUNDS = 3    # windows are shortened (down to one step) to fit this many rounds in the budget
-MIN_GAIN = 0.01   # a mode must beat off by at least this much at the median
+WINDOW = 1          # timed steps per candidate per round: on a noisy machine, more rounds of one
+                    # timed step decide sooner than fewer, longer ones (benchmarks/bench_auto.py)
+SETTLE = 1          # steps after a switch that are not timed
+JUDGE_FROM = 2      # rounds before anything is dropped or chosen
+MIN_GAIN = 0.01     # a mode must beat off by at least this much, beyond the noise
+TIE = 0.05          # once off is out: candidates within this of the leader are not worth measuring
+ENDGAME = 2         # once off is out: rounds left to order the modes that all beat it
+NOISE_FLOOR = 0.01  # relative noise never taken as smaller than this
+# Student's t, 97.5% one-sided, by degrees of freedom (beyond the table: the normal's 1.96 + 2.4/df).
+_T = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
+      12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04}
+
+
+def t_quantile(df):
+    below = [d for d in _T if d <= df]
+    return _T[max(below)] if df <= 30 else 1.96 + 2.4 / df
 
 
 class WallClock:
@@ -68,88 +96,220 @@ def clock_for(device):
     return CudaEventClock(device) if device.type == "cuda" else WallClock()
 
 
-def _upper_quartile(values):
-    return statistics.quantiles(values, n=4, method="inclusive")[2] if len(values) > 1 else values[0]
+class Standings:
+    """Where the modes still racing stand: their mean log step times over the rounds they all ran,
+    and how far a difference between two of them can be noise.
+
+    The noise comes from every timing of the race, of modes already dropped too: log step times
+    are fitted as a mode effect plus a round effect (load that comes and goes over a round is the
+    round's), and the residual spread is the noise of one window."""
+
+    def __init__(self, modes, table):
+        rounds = [r for r in table if all(m in r for m in modes)]
+        k = len(rounds)
+        self.mean = {m: sum(math.log(r[m]) for r in rounds) / k for m in modes}
+        spread, df = _residual_spread(table)
+        self.noise = max(NOISE_FLOOR, spread)
+        self.h = t_quantile(max(df, 1)) * self.noise * math.sqrt(2 / k)
+        self.leader = min(self.mean, key=self.mean.get)
+
+    def gain(self, a, b):
+        """How much faster ``a`` is than ``b`` (log of b's time over a's): > 0 when ``a`` is."""
+        return self.mean[b] - self.mean[a]
 
 
-def verdict(modes, rounds):
-    """The chosen mode and its figures, from ``rounds``: per round, mode -> seconds per step."""
-    ms = {m: 1e3 * statistics.median(r[m] for r in rounds) for m in modes}
-    ratios = {m: statistics.median(r[m] / r["off"] for r in rounds) for m in modes}
-    faster = [m for m in modes if m != "off" and ratios[m] <= 1 - MIN_GAIN
-              and _upper_quartile([r[m] / r["off"] for r in rounds]) < 1]
-    chosen = min(faster, key=ratios.get) if faster else "off"
-    return {"chosen": chosen, "ms_per_step": {m: round(v, 4) for m, v in ms.items()},
-            "ratio_vs_off": {m: round(v, 4) for m, v in ratios.items()},
-            "speedup_vs_off": round(ms["off"] / ms[chosen], 4), "rounds": len(rounds)}
+def _residual_spread(table, sweeps=20):
+    """(standard deviation of the residuals, their degrees of freedom) of log step times fitted as
+    mode effect + round effect, over every timing in ``table`` (rounds need not hold every mode)."""
+    obs = [(i, mode, math.log(t)) for i, r in enumerate(table) for mode, t in r.items()]
+    modes = {m for _, m, _ in obs}
+    df = len(obs) - len(modes) - len(table) + 1
+    if df < 1:
+        return 0.0, 0
+    effect, shift = dict.fromkeys(modes, 0.0), [0.0] * len(table)
+    for _ in range(sweeps):       # alternating least squares: exact for a balanced table at once
+        for m in modes:
+            mine = [y - shift[i] for i, mode, y in obs if mode == m]
+            effect[m] = sum(mine) / len(mine)
+        for i, r in enumerate(table):
+            shift[i] = sum(math.log(t) - effect[m] for m, t in r.items()) / len(r)
+    squares = sum((y - effect[m] - shift[i]) ** 2 for i, m, y in obs)
+    return math.sqrt(squares / df), df
+
+
+def _log_gain(fraction):
+    return -math.log(1 - fraction)
 
 
 class ModeRace:
-    """Walks the schedule one step boundary at a time; ``result`` is set once decided."""
+    """Walks the race one step boundary at a time; ``result`` is set once decided."""
 
-    def __init__(self, modes, max_steps, clock, agree=None):
-        """``modes``: the candidates, ``off`` among them; ``max_steps``: the most steps, settling
-        ones and the wait for timings included, before a decision; ``agree``: rank 0's decision
-        on every rank (identity in one process)."""
+    def __init__(self, modes, max_steps, clock, agree=None, first=None):
+        """``modes``: the candidates, ``off`` among them, cheapest to try first; ``max_steps``: the
+        most steps, settling ones and the wait for timings included, before a decision;
+        ``agree``: rank 0's decision on every rank (identity in one process); ``first``: the mode
+        running now, which starts the first round (no switch)."""
         self.modes = ["off"] + [m for m in modes if m != "off"]
+        if first in self.modes:
+            self.modes.remove(first)
+            self.modes.insert(0, first)
         self.clock = clock
         self.agree = agree or (lambda decision: decision)
         self.max_steps = max_steps
-        n = len(self.modes)
-        usable = max(max_steps - clock.grace, n * (SETTLE + 1))
-        self.window = max(1, min(WINDOW, usable // (MIN_ROUNDS * n) - SETTLE))
-        self.rounds = max(1, usable // (n * (SETTLE + self.window)))
-        self.schedule = [self.modes[(r + i) % n] for r in range(self.rounds) for i in range(n)]
+        self.budget = max(max_steps - clock.grace, len(self.modes) * (SETTLE + WINDOW))
+        self.window = WINDOW
+        self.alive = list(self.modes)
+        self.ran = dict.fromkeys(self.modes, 0)     # steps each mode ran, settling ones included
+        self.dropped = {}                           # mode -> when and why it left the race
+        self.times = {}                             # round -> {mode: seconds per step}
+        self.pending = []                           # (round, mode, start mark, end mark) unread
+        self.round = 0
+        self.order = list(self.alive)               # this round's turns
+        self.turn = 0
         self.steps = 0
         self.started = time.perf_counter()
-        self.windows = []          # (round, mode, start mark, end mark)
         self.result = None
-        self._segment = 0          # index into the schedule
-        self._in_segment = 0       # boundaries seen since the segment began
+        self.off_left = None                        # the round off was dropped in
+        self._in_turn = 0
         self._start = None
+        self._closing = False                       # no round fits any more: waiting for timings
 
     @property
     def mode(self):
         """The mode the next step runs."""
         if self.result is not None:
             return self.result["chosen"]
-        return self.schedule[min(self._segment, len(self.schedule) - 1)]
+        return self.order[min(self.turn, len(self.order) - 1)]
 
     def boundary(self):
         """Call at the end of every step(), after the step's own work; returns ``mode``."""
         self.steps += 1
-        if self._segment < len(self.schedule):
-            self._in_segment += 1
-            if self._in_segment == SETTLE:
-                self._start = self.clock.mark()
-            elif self._in_segment == SETTLE + self.window:
-                self.windows.append((self._segment // len(self.modes), self.schedule[self._segment],
-                                     self._start, self.clock.mark()))
-                self._segment += 1
-                self._in_segment = 0
-            if self._segment < len(self.schedule):
-                return self.mode
-        decision = self.agree(self._decide())
-        if decision is not None:
-            self.result = decision
+        self.ran[self.mode] += 1
+        if self._closing:
+            self._decide(self.agree(self._final()))
+            return self.mode
+        self._in_turn += 1
+        if self._in_turn == SETTLE:
+            self._start = self.clock.mark()
+        elif self._in_turn == SETTLE + self.window:
+            self.pending.append((self.round, self.mode, self._start, self.clock.mark()))
+            self.turn += 1
+            self._in_turn = 0
+            if self.turn == len(self.order):
+                self._end_round()
         return self.mode
 
-    def _decide(self):
-        """The decision once every window's timing is in (or the budget is spent), else None."""
-        per_round, pending = {}, False
-        for rnd, mode, start, end in self.windows:
+    def _end_round(self):
+        self.round += 1
+        self._decide(self.agree(self._judge()))
+        if self.result is not None:
+            return
+        if self.steps + len(self.alive) * (SETTLE + self.window) > self.budget:
+            self._closing = True
+            self.turn = len(self.order) - 1         # the last mode runs on while the timings come
+            self._decide(self.agree(self._final()))
+            return
+        shift = self.round % len(self.alive)
+        self.order = self.alive[shift:] + self.alive[:shift]
+        self.turn = 0
+
+    # -- rank 0 judges; every rank follows --------------------------------------------------------
+    def _read(self):
+        """Move every window whose timing is in from ``pending`` into ``times``."""
+        still = []
+        for rnd, mode, start, end in self.pending:
             seconds = self.clock.seconds(start, end)
             if seconds is None:
-                pending = True
+                still.append((rnd, mode, start, end))
             else:
-                per_round.setdefault(rnd, {})[mode] = seconds / self.window
-        if pending and self.steps < self.max_steps:
+                self.times.setdefault(rnd, {})[mode] = seconds / self.window
+        self.pending = still
+
+    def _standings(self, modes):
+        table = [r for _, r in sorted(self.times.items())]
+        if sum(all(m in r for m in modes) for r in table) < JUDGE_FROM:
             return None
-        rounds = [r for r in per_round.values() if len(r) == len(self.modes)]
-        if rounds:
-            out = verdict(self.modes, rounds)
-        else:
-            out = {"chosen": "off", "rounds": 0,
-                   "why": "no round of timings completed within the measuring budget"}
-        return dict(out, window_steps=self.window, steps=self.steps, clock=self.clock.name,
-                    seconds=round(time.perf_counter() - self.started, 4))
+        return Standings(modes, table)
+
+    def _judge(self):
+        """After a round: the modes to drop, and the choice once one mode is left."""
+        self._read()
+        s = self._standings(self.alive)
+        if s is None:
+            return {"drop": {}}
+        lead, drop, min_gain = s.leader, {}, _log_gain(MIN_GAIN)
+        for x in self.alive:
+            if x == lead:
+                continue
+            if x == "off":
+                if s.gain(lead, "off") - s.h > min_gain:
+                    drop[x] = f"{lead} is faster beyond the measured noise"
+            elif "off" in self.alive and s.gain(x, "off") + s.h < min_gain:
+                drop[x] = "not faster than off beyond the measured noise"
+            elif s.gain(lead, x) - s.h > 0:
+                drop[x] = f"slower than {lead} beyond the measured noise"
+        left = [m for m in self.alive if m not in drop]
+        if "off" not in left:
+            endgame = self.off_left is not None and self.round - self.off_left >= ENDGAME
+            for x in left:
+                if x != lead and s.gain(x, lead) + s.h < _log_gain(TIE):
+                    drop[x] = f"within {TIE:.0%} of {lead} even at the edge of the noise"
+                elif x != lead and endgame:
+                    drop[x] = f"behind {lead} after {ENDGAME} rounds without off (every mode left beats it)"
+        left = [m for m in left if m not in drop]
+        return self._decision(drop, left[0] if len(left) == 1 else None, s.noise)
+
+    def _final(self):
+        """The budget is spent: the leader if it beats off beyond the noise, else off; None while
+        timings are still on their way (within the budget)."""
+        self._read()
+        if self.pending and self.steps < self.max_steps:
+            return None
+        s = self._standings(self.alive)
+        if s is None:
+            return self._decision({}, "off", None, "no two rounds of timings completed within the measuring budget")
+        lead = s.leader
+        if "off" in self.alive and (lead == "off" or s.gain(lead, "off") - s.h <= _log_gain(MIN_GAIN)):
+            lead = "off"
+        return self._decision({}, lead, s.noise)
+
+    def _decision(self, drop, chosen, noise, why=None):
+        """What every rank applies; a choice carries this rank's figures, so every rank reports
+        rank 0's."""
+        out = {"drop": drop, "chosen": chosen, "noise": noise}
+        if chosen is not None:
+            left = {m: {"step": self.steps, "round": self.round, "why": w} for m, w in drop.items()}
+            out["figures"] = self._figures(chosen, dict(self.dropped, **left), noise, why)
+        return out
+
+    def _decide(self, decision):
+        if decision is None:
+            return
+        for mode, why in decision["drop"].items():
+            self.alive.remove(mode)
+            self.dropped[mode] = {"step": self.steps, "round": self.round, "why": why}
+            if mode == "off":
+                self.off_left = self.round
+        if decision.get("chosen") is not None:
+            self.result = decision["figures"]
+
+    def _figures(self, chosen, dropped, noise, why=None):
+        """The choice and what it rests on: per mode, its median step time and its median ratio
+        to off over the rounds both ran; the steps each ran; when and why the others left."""
+        ms, ratios = {}, {}
+        for mode in self.modes:
+            mine = [r[mode] for r in self.times.values() if mode in r]
+            if mine:
+                ms[mode] = round(1e3 * statistics.median(mine), 4)
+            both = [r[mode] / r["off"] for r in self.times.values() if mode in r and "off" in r]
+            if both:
+                ratios[mode] = round(statistics.median(both), 4)
+        out = {"chosen": chosen, "rounds": self.round, "window_steps": self.window, "steps": self.steps,
+               "clock": self.clock.name, "seconds": round(time.perf_counter() - self.started, 4),
+               "ran": dict(self.ran), "dropped": dropped}
+        if why is not None or chosen not in ms or "off" not in ms:
+            out["why"] = why or "no timings of the chosen mode and of off to compare"
+            return out
+        out.update(ms_per_step=ms, ratio_vs_off=ratios, speedup_vs_off=round(ms["off"] / ms[chosen], 4),
+                   noise=None if noise is None else round(noise, 4))
+        return out

@@ -15,13 +15,22 @@ def summary(report):
             lines.append(f"    route {route['route']} - {route['why']}")
         auto = o.get("auto")
         if auto and auto.get("ms_per_step"):
-            times = ", ".join(f"{m} {t:.3f}" for m, t in auto["ms_per_step"].items())
-            lines.append(f"    auto measured whole training steps ({times} ms/step; chose {auto['chosen']}, "
-                         f"{auto['speedup_vs_off']:.2f}x unpatched), spending {auto['measure_steps']} steps "
-                         f"({auto['measure_seconds']:.2f} s) measuring over {len(auto['measurements'])} "
-                         f"measurement(s) of at most {auto['measure_steps_limit']} steps")
+            lines.append("    " + _auto_line(auto, o["steps"], report["timing"].get("wall_seconds")))
         for i in o.get("incidents", []):
             lines.append(f"    step {i['step']}: left {i['left']} for {i['for']}: {i['what']}"
                          + (" (that step's update differs from unpatched)" if i["update_differs"] else ""))
     return "\n".join(lines)
 
+
+def _auto_line(auto, steps, wall_seconds):
+    """What mode auto measured, what it chose, and what measuring cost the run."""
+    times = ", ".join(f"{m} {t:.3f}" for m, t in auto["ms_per_step"].items())
+    share = f"{auto['measure_steps']} of {steps} steps ({100 * auto['measure_steps'] / max(steps, 1):.0f}%)"
+    if wall_seconds:
+        share += (f" and {auto['measure_seconds']:.2f} s of the run's {wall_seconds:.2f} s "
+                  f"({100 * auto['measure_seconds'] / wall_seconds:.0f}%)")
+    dropped = "; ".join(f"dropped {m} at step {d['step']} ({d['why']})" for m, d in auto.get("dropped", {}).items())
+    return (f"auto measured whole training steps ({times} ms/step) and chose {auto['chosen']}, "
+            f"{auto['speedup_vs_off']:.2f}x unpatched; measuring took {share} over "
+            f"{len(auto['measurements'])} measurement(s) of at most {auto['measure_steps_limit']} steps"
+            + (f"; {dropped}" if dropped else ""))

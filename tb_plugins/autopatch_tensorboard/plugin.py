@@ -22,7 +22,7 @@ MAX_DEPTH = 3          # how deep below the log dir runs are looked for
 PARTS = ("forward", "backward", "optimizer", "comm", "other", "compute")
 AUTO_KEYS = ("optimizer", "step", "chosen", "candidates", "ruled_out", "ms_per_step", "ratio_vs_off",
              "speedup_vs_off", "rounds", "window_steps", "clock", "measure_steps", "measure_seconds",
-             "measure_steps_limit", "measurements", "why")
+             "measure_steps_limit", "measurements", "why", "ran", "dropped", "noise", "decided_at_step")
 
 
 def find_runs(logdir):

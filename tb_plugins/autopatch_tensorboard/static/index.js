@@ -59,18 +59,22 @@ function autoSection(data) {
   for (const a of data.auto) {
     const head = a.ms_per_step
       ? `${a.optimizer}, step ${a.step}: chose ${a.chosen}, ${a.speedup_vs_off.toFixed(2)}x unpatched ` +
-        `(${a.rounds} rounds of ${a.window_steps} steps, ${a.clock})`
+        `(${a.rounds} rounds of ${a.window_steps} timed steps, ${a.clock}` +
+        (a.noise != null ? `, noise ${(100 * a.noise).toFixed(1)}%` : "") + ")"
       : `${a.optimizer}, step ${a.step}: chose ${a.chosen}: ${a.why}`;
     box.append(el("div", { class: "frozen" }, head));
     if (a.ms_per_step) {
       const table = el("table", { class: "auto-modes" },
-        el("thead", {}, el("tr", {}, ...["mode", "ms/step", "vs unpatched"].map((c) => el("th", {}, c)))));
+        el("thead", {}, el("tr", {}, ...["mode", "ms/step", "vs unpatched", "steps run", "left the race"]
+          .map((c) => el("th", {}, c)))));
       const body = el("tbody");
       for (const [mode, ms] of Object.entries(a.ms_per_step)) {
         const ratio = a.ratio_vs_off[mode];
+        const left = (a.dropped || {})[mode];
         body.append(el("tr", mode === a.chosen ? { class: "chosen" } : {},
           el("td", { class: "mode" }, mode === "off" ? "off (unpatched)" : mode), el("td", {}, fmt(ms)),
-          el("td", {}, `${fmt(ratio)}x`)));
+          el("td", {}, ratio == null ? "" : `${fmt(ratio)}x`), el("td", { class: "ran" }, `${(a.ran || {})[mode] ?? ""}`),
+          el("td", { class: "left" }, left ? `step ${left.step}: ${left.why}` : mode === a.chosen ? "chosen" : "")));
       }
       table.append(body);
       box.append(table);

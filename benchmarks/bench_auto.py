@@ -1,0 +1,175 @@
+"""How fast mode auto decides, and what deciding costs a run, against unpatched and against the
+winning mode named from the start.
+
+Every contender is a whole fresh run in a process of its own (auto must start from nothing each
+time), the contenders of a round run one after the other in rotating order, rounds repeat, and
+figures are medians of per-round ratios:
+
+- ``quickstart``: ``examples/train_mlp.py`` (300 steps, default policy) zero-code, against the same
+  run unpatched and with each fused mode named from the start; the step auto decided at (from its
+  report) and the whole training loop's time against the run that named auto's choice;
+- ``short``: 60-step runs of 8 x Linear(1024) with AdamW and of 100 residual blocks (400 tensors)
+  with the hand-written BertAdam; the second half's time against unpatched's;
+- ``matmul``: a 300-step run whose step is one large matmul (no mode can be much faster): what
+  measuring costs, against unpatched's time.
+
+    python benchmarks/bench_auto.py            # every part, 5 rounds
+    python benchmarks/bench_auto.py --quick    # one round of smaller runs
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from harness.alternation import quartiles, turns  # noqa: E402
+from harness.launch import child_env  # noqa: E402
+from harness.machine import closing, summary  # noqa: E402
+from harness.report import markdown  # noqa: E402
+
+EXAMPLE = HERE.parent / "examples" / "train_mlp.py"
+FUSED = ("multi_layer", "backward", "forward")
+TARGETS = {"decided_by": 50, "quickstart": 1.10, "wide_mlp": 1.02, "many_small": 0.55, "matmul": 1.02}
+
+
+# -- one run, in the child process (``--run``) -----------------------------------------------------
+def workload(name):
+    import torch
+    from torch import nn
+    from harness import workloads
+    from harness.optimizers import BertAdam
+    torch.manual_seed(0)
+    if name == "wide_mlp":
+        model, batch, loss = workloads.linear_relu(1024, 8, 8)
+        return model, torch.optim.AdamW(model.parameters()), batch, loss
+    if name == "many_small":
+        model, batch, loss = workloads.many_small()
+        return model, BertAdam(model.parameters()), batch, loss
+    if name == "matmul":
+        model = nn.Linear(1024, 1024)
+        return model, torch.optim.AdamW(model.parameters()), (torch.randn(512, 1024), None), workloads.square_loss
+    raise SystemExit(f"unknown workload {name}")
+
+
+def run_one(name, steps, out):
+    """Train ``steps`` steps of ``name``; write each step's seconds and auto's figures to ``out``."""
+    import autopatch
+    model, opt, (x, y), loss_fn = workload(name)
+    seconds = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        seconds.append(time.perf_counter() - t0)
+    entry = autopatch.report()["optimizers"][0] if autopatch.is_enabled() else {}
+    Path(out).write_text(json.dumps({"seconds": seconds, "auto": entry.get("auto", {}), "mode": entry.get("mode")}))
+
+
+# -- the parent ----------------------------------------------------------------------------------
+def launch(argv, mode, tmp, tag):
+    """Run ``argv`` as a contender: unpatched, or zero-code with ``mode`` (``auto`` or a mode)."""
+    env = child_env(OMP_NUM_THREADS=1)
+    report = tmp / f"{tag}.json"
+    if mode != "unpatched":
+        env.update(FUSEDOPT_ENABLE="1", FUSEDOPT_MODE=mode, FUSEDOPT_REPORT=str(report))
+    done = subprocess.run([sys.executable, *map(str, argv)], env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        raise SystemExit(f"{tag} failed:\n{done.stderr[-3000:]}")
+    return done.stdout, (json.loads(report.read_text()) if report.exists() else None)
+
+
+def quickstart(rounds, steps, tmp):
+    contenders = ["unpatched", "auto", *FUSED]
+    loop = {c: [] for c in contenders}
+    decided, chosen, losses, accuracy = [], [], [], []
+    for r, c in turns(contenders, rounds):
+        out, report = launch([EXAMPLE, "--steps", steps], c, tmp, f"qs-{r}-{c}")
+        loop[c].append(float(re.search(r"in ([\d.]+) s", out).group(1)))
+        if c == "auto":
+            auto = report["optimizers"][0]["auto"]
+            decided.append(auto.get("decided_at_step"))
+            chosen.append(auto.get("chosen", "still measuring"))
+            found = [float(v) for v in re.findall(r"loss ([\d.]+)", out)]
+            losses.append((found[0], found[-1]))
+            accuracy.append(float(re.search(r"test accuracy ([\d.]+)%", out).group(1)))
+    ratio_named = [loop["auto"][i] / loop[chosen[i]][i] if chosen[i] in loop else None for i in range(rounds)]
+    ratio_off = [a / u for a, u in zip(loop["auto"], loop["unpatched"])]
+    return {"loop_s": {c: statistics.median(v) for c, v in loop.items()}, "decided_at_step": decided,
+            "chosen": chosen, "vs_named": [x for x in ratio_named if x is not None], "vs_unpatched": ratio_off,
+            "loss_first_last": losses, "test_accuracy": accuracy}
+
+
+def timed_runs(name, steps, rounds, tmp, keep):
+    """auto against unpatched on ``name``; ``keep(seconds)`` picks the steps compared."""
+    got = {"auto": [], "unpatched": []}
+    decided = []
+    for r, c in turns(list(got), rounds):
+        out = tmp / f"{name}-{r}-{c}.out"
+        launch([__file__, "--run", name, "--steps", steps, "--out", out], c, tmp, f"{name}-{r}-{c}")
+        rec = json.loads(out.read_text())
+        got[c].append(sum(keep(rec["seconds"])))
+        if c == "auto":
+            decided.append(rec["auto"].get("decided_at_step"))
+    return {"ratios": [a / u for a, u in zip(got["auto"], got["unpatched"])], "decided_at_step": decided,
+            "unpatched_s": statistics.median(got["unpatched"])}
+
+
+def fmt_ratios(values):
+    lo, hi = quartiles(values)
+    return f"{statistics.median(values):.3f} ({lo:.3f}-{hi:.3f})"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--parts", default="quickstart,short,matmul")
+    ap.add_argument("--run", help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=60, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.run:
+        run_one(args.run, args.steps, args.out)
+        return
+    started = time.perf_counter()
+    rounds = 1 if args.quick else args.rounds
+    print(summary())
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        parts = args.parts.split(",")
+        if "quickstart" in parts:
+            q = quickstart(rounds, 60 if args.quick else 300, tmp)
+            rows.append(["quick start (examples/train_mlp.py), whole loop vs auto's choice named",
+                         fmt_ratios(q["vs_named"]) if q["vs_named"] else "-", f"<= {TARGETS['quickstart']}",
+                         f"decided at steps {q['decided_at_step']} (target <= {TARGETS['decided_by']}); "
+                         f"chose {q['chosen']}; vs unpatched {fmt_ratios(q['vs_unpatched'])}; loss "
+                         f"{q['loss_first_last'][0][0]:.2f} -> {q['loss_first_last'][0][1]:.2f}, test accuracy "
+                         f"{statistics.median(q['test_accuracy']):.1f}%"])
+            print(json.dumps(q, indent=1))
+        if "short" in parts:
+            for name, title in (("wide_mlp", "8 x Linear(1024), AdamW"), ("many_small", "400 tensors, BertAdam")):
+                s = timed_runs(name, 60, rounds, tmp, keep=lambda sec: sec[len(sec) // 2:])
+                rows.append([f"60 steps, {title}: second half vs unpatched", fmt_ratios(s["ratios"]),
+                             f"<= {TARGETS[name]}", f"decided at steps {s['decided_at_step']}"])
+        if "matmul" in parts:
+            m = timed_runs("matmul", 100 if args.quick else 300, rounds, tmp, keep=lambda sec: sec)
+            rows.append(["300 steps, one Linear(1024) at batch 512 (no mode faster): whole run vs unpatched",
+                         fmt_ratios(m["ratios"]), f"<= {TARGETS['matmul']}",
+                         f"decided at steps {m['decided_at_step']}; unpatched {m['unpatched_s']:.1f} s"])
+    print()
+    print(markdown(["what", "auto (median, quartiles)", "target", "notes"], rows))
+    print(closing(started))
+
+
+if __name__ == "__main__":
+    main()
