@@ -10,11 +10,11 @@ from round to round. The first round starts with the mode already running, then 
 What is timed is the whole training iteration, from the end of one ``step()`` of the optimizer to
 the end of the next: backward and forward fusion move the update out of ``step()``.
 
-After each round from the second on, the log step times of the candidates still in are fitted as
-a mode effect plus a round effect (load from other work comes and goes over seconds: the round
-effect takes it out), and the residual spread, pooled over modes and rounds and never taken below
-``NOISE_FLOOR``, is the measured noise. A difference counts only beyond a Student-t confidence
-half-width of it (``h``). Then:
+After each round from the second on, the log step times of the race are fitted as a mode effect
+plus a round effect (load from other work comes and goes over seconds: the round effect takes it
+out) by median polish, and the residuals' spread, never taken below ``NOISE_FLOOR``, is the
+measured noise (``Standings``). A difference counts only beyond a Student-t confidence half-width
+of it (``h``). Then:
 
 - a candidate is dropped once it is slower than off, or not faster than off by ``MIN_GAIN``,
   beyond the noise, or slower than the leader beyond the noise;
@@ -97,20 +97,23 @@ def clock_for(device):
 
 
 class Standings:
-    """Where the modes still racing stand: their mean log step times over the rounds they all ran,
-    and how far a difference between two of them can be noise.
+    """Where the modes still racing stand, and how far a difference between two of them can be
+    noise.
 
-    The noise comes from every timing of the race, of modes already dropped too: log step times
-    are fitted as a mode effect plus a round effect (load that comes and goes over a round is the
-    round's), and the residual spread is the noise of one window."""
+    Log step times, of every timing of the race (modes already dropped too), are fitted as a mode
+    effect plus a round effect (load that comes and goes over a round is the round's) by Tukey's
+    median polish, and the noise of one timed step is the residuals' median absolute deviation
+    (scaled to a standard deviation): a step that an unrelated process stretched now and then
+    moves neither the effects nor the noise, where means and squares would let it delay every
+    decision."""
 
     def __init__(self, modes, table):
-        rounds = [r for r in table if all(m in r for m in modes)]
-        k = len(rounds)
-        self.mean = {m: sum(math.log(r[m]) for r in rounds) / k for m in modes}
-        spread, df = _residual_spread(table)
+        k = sum(all(m in r for m in modes) for r in table)
+        effect, spread, df = _median_polish(table)
+        self.mean = {m: effect[m] for m in modes}
         self.noise = max(NOISE_FLOOR, spread)
-        self.h = t_quantile(max(df, 1)) * self.noise * math.sqrt(2 / k)
+        # a median-based effect has about 1.25 times a mean's standard error
+        self.h = t_quantile(max(df, 1)) * 1.25 * self.noise * math.sqrt(2 / k)
         self.leader = min(self.mean, key=self.mean.get)
 
     def gain(self, a, b):
@@ -118,23 +121,22 @@ class Standings:
         return self.mean[b] - self.mean[a]
 
 
-def _residual_spread(table, sweeps=20):
-    """(standard deviation of the residuals, their degrees of freedom) of log step times fitted as
-    mode effect + round effect, over every timing in ``table`` (rounds need not hold every mode)."""
+def _median_polish(table, sweeps=10):
+    """(mode -> effect, the residuals' spread, their degrees of freedom) of log step times fitted
+    as mode effect + round effect over every timing in ``table`` (rounds need not hold every mode)."""
     obs = [(i, mode, math.log(t)) for i, r in enumerate(table) for mode, t in r.items()]
     modes = {m for _, m, _ in obs}
+    effect, shift = dict.fromkeys(modes, 0.0), [0.0] * len(table)
+    for _ in range(sweeps):
+        for i in range(len(table)):
+            shift[i] = statistics.median(y - effect[m] for j, m, y in obs if j == i)
+        for m in modes:
+            effect[m] = statistics.median(y - shift[i] for i, mode, y in obs if mode == m)
     df = len(obs) - len(modes) - len(table) + 1
     if df < 1:
-        return 0.0, 0
-    effect, shift = dict.fromkeys(modes, 0.0), [0.0] * len(table)
-    for _ in range(sweeps):       # alternating least squares: exact for a balanced table at once
-        for m in modes:
-            mine = [y - shift[i] for i, mode, y in obs if mode == m]
-            effect[m] = sum(mine) / len(mine)
-        for i, r in enumerate(table):
-            shift[i] = sum(math.log(t) - effect[m] for m, t in r.items()) / len(r)
-    squares = sum((y - effect[m] - shift[i]) ** 2 for i, m, y in obs)
-    return math.sqrt(squares / df), df
+        return effect, 0.0, 0
+    deviation = statistics.median(abs(y - effect[m] - shift[i]) for i, m, y in obs)
+    return effect, 1.4826 * deviation * math.sqrt(len(obs) / df), df
 
 
 def _log_gain(fraction):
