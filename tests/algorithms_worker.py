@@ -48,14 +48,15 @@ def set_flat(model, vector):
 class Driven:
     """What the DDP takeover does around one model under ``algorithm``."""
 
-    def __init__(self, model, algorithm):
+    def __init__(self, model, algorithm, sync=None):
         self.model, self.algorithm = model, algorithm
+        self.sync = sync or (lambda: algorithm is None or algorithm.gradient_sync())
         params = list(model.parameters())
         self.reducer = BucketedAllreduce(params, [str(i) for i in range(len(params))], dist.group.WORLD,
                                          bucket_bytes=2**20)
 
     def forward(self, x):
-        self.reducer.arm(self.algorithm is None or self.algorithm.gradient_sync())
+        self.reducer.arm(self.sync())
         if self.algorithm is not None:
             self.algorithm.before_forward(True)
         return self.model(x)
@@ -171,11 +172,17 @@ def bad_inputs():
 
 
 # -- low precision ---------------------------------------------------------------------------------
-def low_precision(interval, steps=5):
-    """Replicas before each communication, the weights it started from and the replica after."""
+def low_precision(interval, steps=5, hierarchical=False):
+    """Replicas before each communication, the weights it started from and the replica after
+    (on node leaders only, when hierarchical)."""
     model = small_mlp()
     alg = LowPrecisionDecentralized(model.parameters(), dist.group.WORLD, communication_interval=interval,
-                                    chunk_elements=32)
+                                    chunk_elements=32, hierarchical=hierarchical)
+    if not alg.replica:
+        driven = Driven(model, alg)
+        train(driven, torch.optim.SGD(model.parameters(), lr=0.1), steps)
+        driven.close()
+        return {"replica": None, "weights": flat(model)}
     driven = Driven(model, alg)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     communications = []
@@ -210,18 +217,25 @@ def qadam_warmup(steps=8):
     return runs
 
 
+ADAMS = {"adam": lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.05),
+         "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.5)}
+
+
 def qadam_after_warmup(kind, warmup=3, steps=7):
     """QAdam (uncompressed, so the arithmetic is comparable) continuing a user's Adam or AdamW,
-    and the same update written out by hand."""
-    make = {"adam": lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.05),
-            "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.5)}[kind]
+    QAdamOptimizer switching by itself, and the same update written out by hand."""
     model = small_mlp()
-    alg = QAdam(model.parameters(), dist.group.WORLD, warmup_steps=warmup, compression="none")
-    driven = Driven(model, alg)
-    losses = train(driven, make(model.parameters()), steps)
+    if kind == "optimizer":
+        opt = QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=warmup, weight_decay=0.05,
+                             compression="none")
+        driven = Driven(model, None, sync=lambda: opt.steps_taken < warmup)
+    else:
+        opt = ADAMS[kind](model.parameters())
+        driven = Driven(model, QAdam(model.parameters(), dist.group.WORLD, warmup_steps=warmup, compression="none"))
+    losses = train(driven, opt, steps)
     driven.close()
     return {"qadam": {"losses": losses, "weights": flat(model)},
-            "reference": qadam_reference(make, kind, warmup, steps)}
+            "reference": qadam_reference(ADAMS.get(kind, ADAMS["adam"]), kind, warmup, steps)}
 
 
 def qadam_reference(make, kind, warmup, steps):
@@ -380,11 +394,12 @@ def main():
         os.environ["LOCAL_WORLD_SIZE"] = "2"           # two nodes of two ranks
         for mode in ("all", "shift_one"):
             res[f"hierarchical_{mode}"] = decentralized(mode, 3, steps=4, hierarchical=True)
+        res["hierarchical_low_precision"] = low_precision(1, hierarchical=True)
         res["errors"] = bad_inputs()
         for k in (1, 2):
             res[f"low_precision_{k}"] = low_precision(k)
         res["qadam_warmup"] = qadam_warmup()
-        for kind in ("adam", "adamw"):
+        for kind in ("adam", "adamw", "optimizer"):
             res[f"qadam_{kind}"] = qadam_after_warmup(kind)
         res["qadam_compressed"] = qadam_compressed()
         res["digits"] = digits()

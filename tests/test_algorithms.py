@@ -117,14 +117,18 @@ def test_bad_input_names_the_cause(four):
 
 
 # -- low-precision decentralized ----------------------------------------------------------------------
-def check_replicas_consistent(ranks, key):
-    n = len(ranks)
-    for r, rank in enumerate(ranks):
-        run = rank[key]
+def check_replicas_consistent(ranks, key, ranks_of=None):
+    """Each ring member's weights are its own replica, and its neighbours' replicas of it are
+    bit-for-bit that replica. ``ranks_of``: the global rank of each ring member."""
+    runs = [rank if key is None else rank[key] for rank in ranks]
+    ranks_of = ranks_of or list(range(len(runs)))
+    run_of = dict(zip(ranks_of, runs))
+    for i, run in enumerate(runs):
         assert torch.equal(run["weights"], run["replica"])
-        assert set(run["neighbour_replicas"]) == set(ring_neighbours(r, n))
+        expected = {ranks_of[j]: m for j, m in ring_neighbours(i, len(runs)).items()}
+        assert set(run["neighbour_replicas"]) == set(expected)
         for peer, replica in run["neighbour_replicas"].items():
-            assert torch.equal(replica, ranks[peer][key]["replica"])
+            assert torch.equal(replica, run_of[peer]["replica"])
 
 
 def check_update(ranks, key, interval):
@@ -147,6 +151,14 @@ def test_low_precision_replicas_stay_consistent(four, interval):
     check_update(four, f"low_precision_{interval}", interval)
 
 
+def test_hierarchical_low_precision_runs_the_ring_over_node_leaders(four):
+    """Two nodes of two ranks: leaders 0 and 2 form a ring of two; each node's ranks end equal."""
+    runs = [r["hierarchical_low_precision"] for r in four]
+    assert runs[1]["replica"] is None and runs[3]["replica"] is None
+    check_replicas_consistent([runs[0], runs[2]], None, ranks_of=[0, 2])
+    assert torch.equal(runs[0]["weights"], runs[1]["weights"]) and torch.equal(runs[2]["weights"], runs[3]["weights"])
+
+
 def test_two_ranks_share_one_neighbour(tmp_path):
     pair = run_ranks("pair", 2, tmp_path, timeout=60)
     check_replicas_consistent(pair, "low_precision")
@@ -162,7 +174,7 @@ def test_qadam_warmup_is_torch_adam_bit_for_bit(four):
         assert torch.equal(run["qadam"]["weights"], run["adam"]["weights"])
 
 
-@pytest.mark.parametrize("kind", ["adam", "adamw"])
+@pytest.mark.parametrize("kind", ["adam", "adamw", "optimizer"])
 def test_qadam_after_warmup_uses_the_switch_gradient_and_weight_decay(four, kind):
     for rank in four:
         run = rank[f"qadam_{kind}"]

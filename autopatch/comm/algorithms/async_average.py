@@ -50,7 +50,7 @@ class AsyncModelAverage(Algorithm):
         self.thread_group = _own_group(group, self.waiter.timeout)
         self.groups = (group, self.thread_group)
         self.flat = FlatTensors(self.params)
-        self.background = Waiter(timeout_seconds, self.name)
+        self.background = Waiter(self.timeout, self.name)
         self.rounds = 0
         self.rounds_applied = 0
         self.rounds_dropped = 0      # updates that found the weights held for half the timeout

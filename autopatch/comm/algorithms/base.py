@@ -22,8 +22,8 @@ on every rank:
 - ``qadam`` only: once ``compressing``, ``step(optimizer)`` in place of the user's Adam or
   AdamW ``step()``, still between ``before_step`` and ``after_step``.
 
-Every wait on a collective is bounded by ``timeout_seconds`` (default: torch's default process
-group timeout) and counted in ``wait_seconds``; bytes this rank sends are counted the way
+Every wait on a collective is bounded by ``timeout_seconds`` (default: the timeout the model's
+process group was created with) and counted in ``wait_seconds``; bytes this rank sends are counted the way
 ``collectives.py`` counts them.
 """
 
@@ -36,12 +36,20 @@ import torch.distributed as dist
 from ..allreduce import CommunicationError
 
 
+def group_timeout(group, device):
+    """The timeout ``group`` was created with; torch's default where the backend does not say."""
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout
+
+
 class Waiter:
     """Waits on collectives with a bound, counting the seconds spent waiting."""
 
-    def __init__(self, timeout_seconds, who):
-        self.timeout = (dist.default_pg_timeout if timeout_seconds is None
-                        else datetime.timedelta(seconds=timeout_seconds))
+    def __init__(self, timeout, who):
+        """``timeout``: seconds, or a ``timedelta``."""
+        self.timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
         self.who = who
         self.seconds = 0.0
 
@@ -156,8 +164,10 @@ class Algorithm:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.waiter = Waiter(timeout_seconds, self.name)
-        self.timeout_seconds = self.waiter.timeout.total_seconds()
+        self.timeout = (group_timeout(group, self.params[0].device) if timeout_seconds is None
+                        else datetime.timedelta(seconds=timeout_seconds))
+        self.waiter = Waiter(self.timeout, self.name)
+        self.timeout_seconds = self.timeout.total_seconds()
         self.steps = 0          # optimizer steps over these parameters (after_step calls)
         self.bytes_sent = 0
         self.closed = False

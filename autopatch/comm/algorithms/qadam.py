@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from .base import Algorithm, Waiter, whole_number
+from .base import Algorithm, Waiter, group_timeout, whole_number
 from .compressed_average import DEFAULT_BUCKET_ELEMENTS, CompressedAverage
 
 
@@ -140,8 +140,9 @@ class QAdamOptimizer(torch.optim.Adam):
             if self._after_warmup is None:    # all ranks get here at the same step
                 group = self._group if self._group is not None else torch.distributed.group.WORLD
                 device = self.param_groups[0]["params"][0].device
+                timeout = group_timeout(group, device) if self._timeout_seconds is None else self._timeout_seconds
                 self._after_warmup = FrozenVarianceAdam(
-                    CompressedAverage(group, device, Waiter(self._timeout_seconds, "qadam"), **self._average))
+                    CompressedAverage(group, device, Waiter(timeout, "qadam"), **self._average))
             self._after_warmup(self)
         self.steps_taken += 1
         return loss
