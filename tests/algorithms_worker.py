@@ -79,9 +79,12 @@ class Driven:
             self.algorithm.close()
 
 
-def train(driven, opt, steps, on_backward=None, data=batch):
+def train(driven, opt, steps, on_backward=None, data=batch, pause=0.0):
+    """``pause``: seconds each step sleeps, as a longer computation would leave a background
+    thread's rounds the time they need."""
     losses = []
     for t in range(steps):
+        time.sleep(pause)
         x, y = data(t)
         loss = nn.functional.cross_entropy(driven.forward(x), y)
         loss.backward()
@@ -313,7 +316,7 @@ def digits():
         "decentralized_all": lambda ps: Decentralized(ps, dist.group.WORLD),
         "decentralized_shift_one": lambda ps: Decentralized(ps, dist.group.WORLD, peer_selection_mode="shift_one"),
         "low_precision_decentralized": lambda ps: LowPrecisionDecentralized(ps, dist.group.WORLD),
-        "async": lambda ps: AsyncModelAverage(ps, dist.group.WORLD, sync_interval_ms=5, warmup_steps=per_epoch),
+        "async": lambda ps: AsyncModelAverage(ps, dist.group.WORLD, sync_interval_ms=2, warmup_steps=per_epoch),
         "qadam": lambda ps: QAdam(ps, dist.group.WORLD, warmup_steps=per_epoch),
     }
     results = {}
@@ -322,12 +325,14 @@ def digits():
         driven = DDPAsIs(model) if name == "ddp" else Driven(model, make(list(model.parameters())))
         if name == "bytegrad":
             driven.reducer.set_compression("minmax_uint8")
-        train(driven, torch.optim.Adam(model.parameters(), lr=1e-2), epochs * per_epoch, data=data)
+        train(driven, torch.optim.Adam(model.parameters(), lr=1e-2), epochs * per_epoch, data=data,
+              pause=0.004 if name == "async" else 0.0)
         driven.close()
         everyone = [None] * WORLD
         dist.all_gather_object(everyone, accuracy(model))
         results[name] = {"accuracy": sum(everyone) / WORLD, "per_rank": everyone,
-                         "describe": driven.algorithm.describe() if getattr(driven, "algorithm", None) else None}
+                         "describe": driven.algorithm.describe() if getattr(driven, "algorithm", None) else None,
+                         "gradient_bytes_per_step": getattr(getattr(driven, "reducer", None), "bytes_per_step", None)}
     return results
 
 
@@ -358,8 +363,7 @@ def async_job(schedule):
     def epoch(n):
         for t in range(n):
             synced.append(alg.gradient_sync())
-            train(driven, opt, 1, data=lambda _: batch(len(synced)))
-            time.sleep(0.002)
+            train(driven, opt, 1, data=lambda _: batch(len(synced)), pause=0.002)
 
     if schedule == "warmup":                  # Bagua's run_epochs: train, then abort once
         for _ in range(5):

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from autopatch.comm.algorithms import ALGORITHMS, build
 from autopatch.comm.algorithms.peers import check_even, ring_neighbours, shift_one_pairs, shift_one_peer
 from conftest import TESTS, clean_env
 
@@ -57,6 +58,14 @@ def test_odd_rank_count_is_a_clear_error():
     with pytest.raises(ValueError, match="hierarchical=True") as nodes:
         check_even(3, hierarchical=True)
     assert "3 node(s)" in str(nodes.value)
+
+
+def test_gradient_algorithms_are_the_allreduce_settings():
+    assert set(ALGORITHMS) == {"decentralized", "low_precision_decentralized", "async", "qadam"}
+    with pytest.raises(ValueError, match="compression setting"):
+        build("bytegrad", [], None)
+    with pytest.raises(ValueError, match="unknown communication algorithm 'gossip'"):
+        build("gossip", [], None)
 
 
 def test_ring_neighbours():

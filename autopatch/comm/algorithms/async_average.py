@@ -209,8 +209,9 @@ class AsyncModelAverage(Algorithm):
             self._cond.notify_all()
 
     def describe(self):
-        state = ("stopped: " + self.error if self.error else "warm-up" if self.steps < self.warmup_steps
-                 else "averaging" if self._running() else "aborted" if self._aborted else "closed")
+        state = ("stopped: " + self.error if self.error else "closed" if self.closed
+                 else "averaging" if self._running() else "aborted" if self._aborted
+                 else "warm-up" if self.steps < self.warmup_steps else "starting at the next forward")
         return dict(super().describe(), state=state, averaging_rounds=self.rounds,
                     rounds_applied=self.rounds_applied, rounds_dropped=self.rounds_dropped,
                     background_wait_seconds=round(self.background.seconds, 6))

@@ -67,12 +67,11 @@ class LowPrecisionDecentralized(Algorithm):
     def _first_replicas(self, w):
         """Replicas start as the weights themselves, exchanged once at full precision."""
         yield from self.stages.node_average(w)
-        if self.stages.takes_part:
+        if self.stages.exchanging:
             mine = w.float().clone()
             self.replica.append(mine)
             theirs = {peer: torch.empty_like(mine) for peer in self.neighbours}
-            if theirs:
-                yield self._exchange(mine, theirs)
+            yield self._exchange(mine, theirs)
             for peer, t in theirs.items():
                 self.neighbour_replicas[peer].append(t)
         yield from self.stages.node_broadcast(w)
