@@ -27,6 +27,7 @@ allreduce: on one node a hierarchical ``shift_one`` has a single participant and
 Every constructor also takes ``timeout_seconds``, the bound on each wait for a collective.
 """
 
+from ...vocabulary import GRADIENT_ALGORITHMS
 from .async_average import AsyncModelAverage
 from .base import Algorithm
 from .decentralized import Decentralized
@@ -34,8 +35,6 @@ from .low_precision import LowPrecisionDecentralized
 from .qadam import QAdam, QAdamOptimizer
 
 ALGORITHMS = {cls.name: cls for cls in (Decentralized, LowPrecisionDecentralized, AsyncModelAverage, QAdam)}
-GRADIENT_ALGORITHMS = {"gradient_allreduce": {"compression": "none"},
-                       "bytegrad": {"compression": "minmax_uint8"}}
 
 
 def build(name, params, group, **settings):

@@ -39,7 +39,12 @@ class AsyncModelAverage(Algorithm):
     name = "async"
     changes = ("after warm-up, ranks train on their own gradients and a background thread averages "
                "the weights every sync_interval_ms, so ranks may run different numbers of steps and "
-               "their weights agree only after each averaging round")
+               "their weights agree only after each averaging round; buffers (BatchNorm statistics) "
+               "stay each rank's own")
+    fusion_refusal = ("after warm-up no gradient is averaged, which an update inside backward waits for, "
+                      "and an update deferred to the next forward would land after averaging rounds meant "
+                      "to follow it")
+    syncs_buffers = False     # a collective in every forward would tie the ranks' steps together
 
     def __init__(self, params, group, *, sync_interval_ms=500, warmup_steps=0, timeout_seconds=None):
         super().__init__(params, group, timeout_seconds=timeout_seconds)

@@ -19,8 +19,10 @@ on every rank:
 - ``describe()`` for the report, ``close()`` at the end. ``close`` is idempotent and raises
   nothing; it finishes what is in flight (every rank has the same), and for ``async`` returns
   once every rank has stopped averaging, or one has failed or gone.
-- ``qadam`` only: once ``compressing``, ``step(optimizer)`` in place of the user's Adam or
-  AdamW ``step()``, still between ``before_step`` and ``after_step``.
+- ``fits(optimizer)`` once per optimizer stepping these parameters (qadam continues Adam and
+  AdamW only), and, where ``takes_step_of(optimizer)``, ``step(optimizer)`` in place of the
+  optimizer's own ``step()``, still between ``before_step`` and ``after_step`` (qadam once
+  ``compressing``).
 
 Every wait on a collective is bounded by ``timeout_seconds`` (default: the timeout the model's
 process group was created with) and counted in ``wait_seconds``; bytes this rank sends are counted the way
@@ -33,6 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ...vocabulary import MULTI_LAYER
 from ..allreduce import CommunicationError
 
 
@@ -156,6 +159,14 @@ class Algorithm:
 
     name = ""
     changes = ""
+    # The fusion modes (besides off) that may update these parameters, and why not the others:
+    # the algorithms that move weights do so at moments of their own, which an update inside
+    # backward or one deferred to the next forward would cross (modes/eligibility.py asks).
+    fusion_modes = (MULTI_LAYER,)
+    fusion_refusal = ""
+    # DDP broadcasts buffers (BatchNorm statistics) from rank 0 at each training forward, a
+    # collective on the training thread; False leaves buffers local.
+    syncs_buffers = True
 
     def __init__(self, params, group, *, timeout_seconds=None):
         self.params = [p for p in params if p.is_floating_point()]
@@ -192,6 +203,15 @@ class Algorithm:
         """The algorithm's settings, as the policy names them."""
         return {}
 
+    def fits(self, optimizer):
+        """Why this algorithm cannot go on with ``optimizer`` stepping its parameters, or None;
+        asked once per optimizer, at its first step."""
+        return None
+
+    def takes_step_of(self, optimizer):
+        """True when ``step(optimizer)`` replaces the optimizer's own step now."""
+        return False
+
     def describe(self):
         return {
             "algorithm": self.name,
@@ -202,6 +222,7 @@ class Algorithm:
             "bytes_sent_per_step": self.bytes_sent // self.steps if self.steps else 0,
             "wait_seconds": round(self.waiter.seconds, 6),
             **({"error": self.error} if self.error else {}),
+            **({"closed": True} if self.closed else {}),
         }
 
     def close(self):

@@ -14,12 +14,11 @@ model's worth of bytes whatever the world size.
 import torch
 import torch.distributed as dist
 
+from ...vocabulary import PEER_SELECTION_MODES
 from .base import Algorithm, BackwardEnd, quietly, start, whole_number
 from .flat import FlatTensors
 from .peers import check_even, shift_one_peer
 from .stages import ExchangeStages
-
-PEER_SELECTION_MODES = ("all", "shift_one")
 
 
 class Decentralized(Algorithm):
@@ -27,6 +26,9 @@ class Decentralized(Algorithm):
     changes = ("weights, not gradients, are exchanged: each communicating step's starting weights "
                "are averaged with every rank's (all) or one partner's (shift_one) while forward and "
                "backward run, and the optimizer applies the local gradient to that average")
+    fusion_refusal = ("the weights become the exchanged average at the end of backward, which an update "
+                      "inside backward would precede, and the exchange starts from the weights at forward, "
+                      "which an update deferred to that forward would not have reached yet")
 
     def __init__(self, params, group, *, peer_selection_mode="all", communication_interval=1,
                  hierarchical=False, timeout_seconds=None):

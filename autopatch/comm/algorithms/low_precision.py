@@ -34,6 +34,8 @@ class LowPrecisionDecentralized(Algorithm):
     changes = ("weights, not gradients, are exchanged in 8 bits: after each communicating optimizer "
                "step a rank sends its two ring neighbours an 8-bit code of its weights' movement and "
                "its weights become the replica its neighbours keep of them")
+    fusion_refusal = ("the ring exchange reads and rewrites the weights right after each optimizer step, "
+                      "which an update inside backward or one deferred to the next forward would cross")
 
     def __init__(self, params, group, *, hierarchical=False, communication_interval=1,
                  chunk_elements=DEFAULT_CHUNK, timeout_seconds=None):

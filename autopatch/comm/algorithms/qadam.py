@@ -129,6 +129,14 @@ class QAdamOptimizer(torch.optim.Adam):
         self._timeout_seconds = timeout_seconds
         self._after_warmup = None
 
+    def set_hierarchical(self, flag):
+        """Average within nodes, then between node leaders, from the switch on (Bagua's
+        QAdamAlgorithm chose this for its optimizer); only before the switch."""
+        if self._after_warmup is not None:
+            raise RuntimeError("QAdamOptimizer: the first moment is already averaged; set hierarchical before "
+                               "warm-up ends")
+        self._average["hierarchical"] = bool(flag)
+
     def step(self, closure=None):
         if self.steps_taken < self.warmup_steps:
             loss = _adam_step(self, closure)
@@ -161,6 +169,8 @@ class QAdam(Algorithm):
     name = "qadam"
     changes = ("after warmup_steps of ordinary gradient averaging, Adam's second moment is frozen and "
                "ranks average Adam's first moment in 8 bits instead of gradients")
+    fusion_modes = ()
+    fusion_refusal = "after warm-up qadam steps the optimizer itself (its step is not fused)"
 
     def __init__(self, params, group, *, warmup_steps=100, hierarchical=False, compression="minmax_uint8",
                  bucket_elements=DEFAULT_BUCKET_ELEMENTS, timeout_seconds=None):
@@ -181,6 +191,19 @@ class QAdam(Algorithm):
 
     def gradient_sync(self):
         return not self.compressing
+
+    def fits(self, optimizer):
+        why = unsupported(optimizer)
+        mine = {id(p) for p in self.params}
+        if why is None and any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
+            why = f"{type(optimizer).__name__} also updates parameters outside this model"
+        if why is None and isinstance(optimizer, QAdamOptimizer):
+            self.warmup_steps = optimizer.warmup_steps   # its own switch says when averaging stops
+        return why
+
+    def takes_step_of(self, optimizer):
+        """Past warm-up, for an Adam or AdamW; a QAdamOptimizer switches by itself."""
+        return self.compressing and not isinstance(optimizer, QAdamOptimizer)
 
     def step(self, optimizer):
         """One QAdam step for ``optimizer`` (an Adam or AdamW over these parameters), on its own
