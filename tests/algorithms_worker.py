@@ -259,17 +259,19 @@ def qadam_reference(make, kind, warmup, steps):
                     dist.all_reduce(p.grad)
                 opt.step()
             else:                              # the switch step's own gradient is used
-                for p in params:
+                for p in params:            # each rank's step direction, clipped, is averaged
                     st = opt.state[p]
                     g = p.grad if kind == "adamw" else p.grad + wd * p
-                    m = (b1 * st["exp_avg"] + (1 - b1) * g).mul_(1 / WORLD)
-                    dist.all_reduce(m)
-                    st["exp_avg"].copy_(m)
+                    m = b1 * st["exp_avg"] + (1 - b1) * g
+                    denom = (st["exp_avg_sq"] / (1 - b2 ** warmup)).sqrt() + eps
+                    bound = max(1, (1 - b1) / (1 - b2) ** 0.5)
+                    direction = (m / denom).clamp_(-bound, bound).mul_(1 / WORLD)
+                    dist.all_reduce(direction)
+                    st["exp_avg"].copy_(direction * denom)
                     st["step"] += 1
                     if kind == "adamw":
                         p.mul_(1 - lr * wd)
-                    denom = (st["exp_avg_sq"] / (1 - b2 ** warmup)).sqrt() + eps
-                    p.sub_(lr / (1 - b1 ** (t + 1)) * m / denom)
+                    p.sub_(lr / (1 - b1 ** (t + 1)) * direction)
         opt.zero_grad()
     return {"losses": losses, "weights": flat(model)}
 

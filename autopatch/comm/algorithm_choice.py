@@ -133,6 +133,7 @@ def describe_algorithm(choice, options, models):
     if not running:
         out.update(settings={"compression": options["compression"], "hierarchical": options["hierarchical"]},
                    changes=GRADIENT_CHANGES[options["compression"]],
+                   steps=max((m["synchronised_steps"] for m in models), default=0),
                    bytes_sent_per_step=sum(m["bytes_sent_per_step"] for m in models),
                    wait_seconds=round(sum(m["wait_seconds"] for m in models), 6))
     else:     # models may run different algorithms (with_bagua): each says its own in ``models``

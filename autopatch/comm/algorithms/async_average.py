@@ -54,7 +54,7 @@ class AsyncModelAverage(Algorithm):
         self.warmup_steps = whole_number("warmup_steps", warmup_steps, 0)
         self.thread_group = _own_group(group, self.waiter.timeout)
         self.groups = (group, self.thread_group)
-        self.flat = FlatTensors(self.params)
+        self.flat = FlatTensors(self.params, keep=True)
         self.background = Waiter(self.timeout, self.name)
         self.rounds = 0
         self.rounds_applied = 0

@@ -11,20 +11,31 @@ from ..compression import HEADER_BYTES, dequantize_rows, quantize_rows_
 DEFAULT_CHUNK = 1024
 
 
-def encode(flat, chunk=DEFAULT_CHUNK):
-    """float32 ``[n]`` -> uint8 ``[ceil(n / chunk), chunk + 8]``; ``flat`` is left as it was."""
+def padded(numel, chunk=DEFAULT_CHUNK):
+    """Elements of the float32 scratch that ``encode`` and ``decode`` may be given."""
+    return -(-numel // chunk) * chunk
+
+
+def encode(flat, chunk=DEFAULT_CHUNK, scratch=None):
+    """float32 ``[n]`` -> uint8 ``[ceil(n / chunk), chunk + 8]``; ``flat`` is left as it was.
+    ``scratch``: float32 of ``padded(n, chunk)`` elements to work in (else a new one); ``flat``
+    may be its first ``n``."""
     n = flat.numel()
     rows = -(-n // chunk)
-    scratch = flat.new_empty(rows * chunk)
-    scratch[:n] = flat
+    if scratch is None:
+        scratch = flat.new_empty(rows * chunk)
+    if scratch.data_ptr() != flat.data_ptr():
+        scratch[:n] = flat
     scratch[n:] = flat[-1]      # padding that widens no chunk's range
     return quantize_rows_(scratch.view(rows, chunk))
 
 
-def decode(wire, numel):
-    """The float32 ``[numel]`` that ``wire`` stands for; the same bytes decode to the same bits
-    on every rank, which keeps replicas of one rank's weights identical everywhere."""
-    return dequantize_rows(wire).view(-1)[:numel]
+def decode(wire, numel, out=None):
+    """The float32 ``[numel]`` that ``wire`` stands for (in ``out``, of ``padded(numel)``
+    elements, when given); the same bytes decode to the same bits on every rank, which keeps
+    replicas of one rank's weights identical everywhere."""
+    rows = None if out is None else out.view(wire.shape[0], wire.shape[1] - HEADER_BYTES)
+    return dequantize_rows(wire, out=rows).view(-1)[:numel]
 
 
 def wire_bytes(numel, chunk=DEFAULT_CHUNK):

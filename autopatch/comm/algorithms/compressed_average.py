@@ -32,8 +32,10 @@ class CompressedAverage:
         self.bytes_sent = 0
 
     def __call__(self, tensors, what="the average"):
-        flat = FlatTensors(tensors)
-        flats = flat.gather()
+        """Average ``tensors`` in place. Flat ones (1-D, contiguous: QAdam's) are averaged as they
+        are; others through a flat copy per dtype."""
+        flat = None if all(t.dim() == 1 and t.is_contiguous() for t in tensors) else FlatTensors(tensors)
+        flats = tensors if flat is None else flat.gather()
         started = []
         for f in flats:
             f.mul_(1.0 / self.world)     # the Averager sums: pre-scaled, the sum is the average
@@ -41,4 +43,5 @@ class CompressedAverage:
                 self.bytes_sent += self.averager.bytes_sent(bucket)
                 started.append(start(self.averager.phases(bucket)))
         self.waiter.drain(started, what)
-        flat.scatter(flats)
+        if flat is not None:
+            flat.scatter(flats)

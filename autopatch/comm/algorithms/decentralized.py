@@ -42,7 +42,7 @@ class Decentralized(Algorithm):
         self.stages = ExchangeStages(group, self.params[0].device, self.hierarchical, self.name)
         if self.mode == "shift_one":
             check_even(self.stages.size, self.hierarchical)
-        self.flat = FlatTensors(self.params)
+        self.flat = FlatTensors(self.params, keep=True)
         self.forwards = 0           # synchronised training forwards
         self.communications = 0
         self._inflight = None       # (weight copies, started phase generators)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Algorithm, start, whole_number
-from .chunk_codes import DEFAULT_CHUNK, decode, encode
+from .chunk_codes import DEFAULT_CHUNK, decode, encode, padded
 from .flat import FlatTensors
 from .peers import ring_neighbours
 from .stages import ExchangeStages
@@ -48,7 +48,8 @@ class LowPrecisionDecentralized(Algorithm):
         # global rank -> how many of this rank's two ring places it fills
         self.neighbours = ({st.global_rank(r): m for r, m in ring_neighbours(st.rank, st.size).items()}
                            if st.exchanging else {})
-        self.flat = FlatTensors(self.params)
+        self.flat = FlatTensors(self.params, keep=True)
+        self.scratch = {}                                       # dtype group -> see _scratch
         self.communications = 0
         self.replica = []                                       # s, one flat float32 per dtype group
         self.neighbour_replicas = {peer: [] for peer in self.neighbours}
@@ -95,23 +96,31 @@ class LowPrecisionDecentralized(Algorithm):
         yield from st.node_average(w)
         if st.exchanging:
             s = self.replica[g]
-            z = w.float().clone()
+            n = s.numel()
+            scratch = self._scratch(g, n)      # z, then each decoded code
+            z = scratch[:n]
+            z.copy_(w)
             for peer, m in self.neighbours.items():
                 z.add_(self.neighbour_replicas[peer][g], alpha=m / 3)
             z.add_(s, alpha=-5 / 3)
-            wire = encode(z, self.chunk)
-            del z
+            wire = encode(z, self.chunk, scratch)
             received = {peer: torch.empty_like(wire) for peer in self.neighbours}
             self.bytes_sent += wire.numel() * len(self.neighbours)
             yield self._exchange(wire, received)
-            n = s.numel()
-            s.add_(decode(wire, n))
+            s.add_(decode(wire, n, scratch))
             for peer, codes in received.items():
-                self.neighbour_replicas[peer][g].add_(decode(codes, n))
+                self.neighbour_replicas[peer][g].add_(decode(codes, n, scratch))
             w.copy_(s)
         if st.topology is not None:
             self.bytes_sent += st.node_bytes(w.numel() * w.element_size())
         yield from st.node_broadcast(w)
+
+    def _scratch(self, g, n):
+        """Group ``g``'s float32 working buffer, kept between communications (fresh model-sized
+        pages every step would cost more than the arithmetic on a CPU)."""
+        if g not in self.scratch:
+            self.scratch[g] = torch.empty(padded(n, self.chunk), device=self.replica[g].device)
+        return self.scratch[g]
 
     def describe(self):
         return dict(super().describe(), communications=self.communications)

@@ -11,6 +11,9 @@ it, on every rank and every step, with g the local gradient:
 where v and T, the step count of v's last update, stay as warm-up left them: the frozen variance
 keeps the bias correction it had, rather than one that grows towards 1 for a v that no longer
 accumulates. Every rank applies the same averaged m to the same x, so replicas stay identical.
+Each rank's m / sqrt(...) is clipped to the bound Adam's own steps obey, (1 - beta1) /
+sqrt(1 - beta2) (``step_bound``), before it is averaged: where warm-up saw almost no gradient, the
+frozen v is near 0 and a later gradient would otherwise make a step of any size.
 
 What travels is m / (sqrt(v / (1 - beta2^T)) + eps), the step's direction, rather than m: the
 frozen denominator is the same on every rank, so its average is the average of m, but its 8-bit
@@ -20,6 +23,10 @@ blank pixels have v = 0 and diverge that way). Elements with v = 0 (never a grad
 warm-up) have no step size to freeze, and stay where they are.
 The moment is updated and averaged inside the optimizer step rather than during backward, so
 clipping and loss scaling between backward and step apply to it as they would under Adam.
+
+After warm-up it holds, besides Adam's own state, two parameter-sized buffers filled again each
+step (the frozen denominator, and the step direction, laid out flat for the average): fresh
+model-sized allocations every step would cost more in new pages than the arithmetic.
 
 Two ways in:
 - ``QAdamOptimizer``: a ``torch.optim.Adam`` (same state, same checkpoints) whose ``step()``
@@ -57,23 +64,42 @@ class FrozenVarianceAdam:
     def __init__(self, average):
         self.average = average
         self.frozen = {}           # parameter -> its step count when its second moment froze
+        self.denoms = {}           # parameter -> (the v it was computed from, denominator, v == 0 or None)
+        self._directions = None    # (ids of the parameters, flat buffers, parameter -> its view)
 
     def __call__(self, optimizer):
         reason = unsupported(optimizer)
         if reason is not None:
             raise ValueError(f"autopatch qadam: {reason}")
         steps = []
+        flats, directions = self._buffers([p for g in optimizer.param_groups for p in g["params"]])
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    steps.append(self._prepare(optimizer, p, group))
-            self.average([direction for *_, direction in steps])
+                    steps.append(self._prepare(optimizer, p, group, directions[p]))
+            self.average(flats)
             for p, group, denom, direction in steps:
                 if denom is not None:
                     self._apply(optimizer, p, group, denom, direction)
 
-    def _prepare(self, optimizer, p, group):
-        """Update m with the local gradient; the step direction m / sqrt(v) (zero where v is)."""
+    def _buffers(self, params):
+        """Each parameter's buffer for its step direction: views of one flat buffer per dtype and
+        device, which the average takes as they are (no copy in or out)."""
+        ids = [id(p) for p in params]
+        if self._directions is None or self._directions[0] != ids:
+            groups = {}
+            for p in params:
+                groups.setdefault((p.dtype, p.device), []).append(p)
+            flats, views = [], {}
+            for (dtype, device), ps in groups.items():
+                flats.append(torch.empty(sum(p.numel() for p in ps), dtype=dtype, device=device))
+                views.update((p, piece.view_as(p)) for p, piece in zip(ps, flats[-1].split([p.numel() for p in ps])))
+            self._directions = ids, flats, views
+        return self._directions[1], self._directions[2]
+
+    def _prepare(self, optimizer, p, group, direction):
+        """Update m with the local gradient; into ``direction`` the step direction m / sqrt(v),
+        held within Adam's bound (zero where v is)."""
         state = optimizer.state[p]
         if not state:
             _start_state(state, p, group)
@@ -85,10 +111,26 @@ class FrozenVarianceAdam:
                 g = g.add(p, alpha=group["weight_decay"])
             m.lerp_(g, 1 - float(group["betas"][0]))
         if not self.frozen[p]:
-            return p, group, None, torch.zeros_like(m)
+            return p, group, None, direction.zero_()
         v = state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"]
-        denom = (v.sqrt() / math.sqrt(1 - float(group["betas"][1]) ** self.frozen[p])).add_(group["eps"])
-        return p, group, denom, torch.where(v > 0, m / denom, 0)
+        denom, blank = self._denominator(p, group, v)
+        torch.div(m, denom, out=direction)
+        if blank is not None:
+            direction.masked_fill_(blank, 0)
+        bound = step_bound(group["betas"])
+        direction.clamp_(-bound, bound)
+        return p, group, denom, direction
+
+    def _denominator(self, p, group, v):
+        """sqrt(v / (1 - beta2^T)) + eps, T the step v froze at, and where v is zero (no gradient
+        in warm-up, so no step size), if anywhere. v no longer changes: computed once, and again
+        only when the state holds another v (a loaded checkpoint). One parameter-sized buffer."""
+        cached = self.denoms.get(p)
+        if cached is None or cached[0] is not v:
+            denom = (v.sqrt() / math.sqrt(1 - float(group["betas"][1]) ** self.frozen[p])).add_(group["eps"])
+            blank = v == 0
+            cached = self.denoms[p] = (v, denom, blank if blank.any() else None)
+        return cached[1], cached[2]
 
     def _apply(self, optimizer, p, group, denom, direction):
         state = optimizer.state[p]
@@ -98,6 +140,15 @@ class FrozenVarianceAdam:
         if group["weight_decay"] and _decoupled(optimizer, group):
             p.mul_(1 - lr * group["weight_decay"])
         p.add_(direction, alpha=-lr / (1 - float(group["betas"][0]) ** int(state["step"])))
+
+
+def step_bound(betas):
+    """The most Adam's own m / sqrt(v) can be per element, (1 - beta1) / sqrt(1 - beta2) (at
+    least 1; Kingma and Ba, section 2.1). A frozen v cannot follow a gradient that grows (a ReLU
+    unit that wakes up after warm-up, with v near 0), so the direction is held within that bound:
+    unbounded, it diverges within a few steps on such units."""
+    beta1, beta2 = (float(b) for b in betas)
+    return max(1.0, (1 - beta1) / math.sqrt(1 - beta2))
 
 
 def _decoupled(optimizer, group):
