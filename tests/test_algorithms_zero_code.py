@@ -23,12 +23,13 @@ def zero_code(tmp_path, world=4, policy=None, yaml=None, timeout=150, **env):
     ranks = run_ranks([SCRIPT], world, timeout=timeout,
                       env={"FUSEDOPT_ENABLE": 1, "FUSEDOPT_POLICY": policy, "PYTHONPATH": IMPORT_PATH, **env})
     assert failed(ranks) is None, failed(ranks)
-    return [r.results for r in ranks]
+    return [dict(r.results, stderr=r.stderr) for r in ranks]
 
 
 def check_learned_and_closed(ranks, name):
-    """Within 1.5 points of DDP (means over ranks), the algorithm named in the report, every
-    rank's process left with nothing of autopatch running or patched after disable()."""
+    """Within 1.5 points of DDP (means over ranks), the algorithm named in the report and the exit
+    summary, every rank's process left with nothing of autopatch running or patched after
+    disable()."""
     accuracy = statistics.mean(r["accuracy"] for r in ranks)
     baseline = statistics.mean(r["baseline"] for r in ranks)
     assert baseline > 90 and accuracy >= baseline - 1.5, (name, accuracy, baseline)
@@ -39,6 +40,7 @@ def check_learned_and_closed(ranks, name):
         after = r["after_disable"]
         assert after == {**after, "threads": [], "ddp_patched": False, "destroy_patched": False}
         assert "autopatch was disabled" in after["report"]["models"][0]["ended"]
+        assert f"communication: {name} (" in r["stderr"]             # the exit summary's line
     return [r["report"]["allreduce"]["algorithm"] for r in ranks]
 
 
@@ -134,6 +136,7 @@ def test_with_bagua_runs_each_algorithm_by_bagua_names(tmp_path):
     ranks = run_ranks([TESTS / "with_bagua_worker.py"], 2, timeout=120, env={"PYTHONPATH": IMPORT_PATH})
     assert failed(ranks) is None, failed(ranks)
     for r in (rank.results for rank in ranks):
+        assert "fuse_optimizer" in r.pop("fused_refused")
         assert all(run["returned_ddp"] for run in r.values())
         assert r["gradient_allreduce"]["algorithm"] is None and r["gradient_allreduce"]["compression"] == "none"
         assert r["bytegrad"]["algorithm"] is None and r["bytegrad"]["compression"] == "minmax_uint8"

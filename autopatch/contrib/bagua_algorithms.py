@@ -17,6 +17,7 @@ import torch
 
 from ..comm.algorithm_choice import AlgorithmChoice
 from ..comm.algorithms import QAdamOptimizer
+from .fused_optimizer import is_fused_optimizer
 
 
 class BaguaAlgorithm:
@@ -125,6 +126,10 @@ def with_bagua(model, optimizers, algorithm, process_group=None, do_flatten=True
     ``do_flatten`` is accepted and has nothing left to do: the allreduce's buckets are flat."""
     session = _takeover()
     for opt in optimizers:
+        if is_fused_optimizer(opt):
+            raise ValueError(f"with_bagua: {type(opt).__name__} was given to fuse_optimizer, so its "
+                             f"fuse_step() runs outside autopatch's hooks and {algorithm.name} would never "
+                             "hear of its steps; drop fuse_optimizer (autopatch fuses every step itself)")
         session.optimizer(opt)         # KeyError: autopatch does not see this optimizer's steps
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group)
     if not session.allreduce.use_algorithm(ddp, algorithm.choice()):
