@@ -16,6 +16,8 @@ def _run(args):
     if args.policy:
         os.environ[env.POLICY] = args.policy
     _bagua_flags(args)
+    if args.enable_bagua_net:
+        _nccl_sockets()
     from . import _startup
     _startup.run()
     if args.module:
@@ -50,6 +52,23 @@ def _bagua_flags(args):
         print(f"autopatch: autotune log: {path}", file=sys.stderr)
 
 
+# NCCL's own multi-socket transport, in place of Bagua-Net: NCCL loads net plugins of interface v6
+# and later only (v4, the one Bagua-Net exports, was removed in NCCL 2.19). NCCL allows at most 64
+# sockets per connection (threads x sockets per thread).
+NCCL_SOCKETS = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
+
+
+def _nccl_sockets():
+    """Set NCCL's socket threads before any process group starts (children inherit them); a
+    value the user set is kept."""
+    for var, value in NCCL_SOCKETS.items():
+        os.environ.setdefault(var, value)
+    chosen = " ".join(f"{var}={os.environ[var]}" for var in NCCL_SOCKETS)
+    print(f"autopatch: --enable_bagua_net: Bagua-Net cannot load in current NCCL (its plugin interface, v4, "
+          f"was removed in NCCL 2.19); using NCCL's own multi-socket transport instead: {chosen}",
+          file=sys.stderr)
+
+
 def _check(args):
     try:
         pol = _policy.load(args.policy, env_overrides=env.policy_overrides() if args.env else None)
@@ -82,6 +101,9 @@ def parser():
                        help="seconds before the first trial (autotune.warmup_seconds)")
     bagua.add_argument("--is_output_autotune_log", action="store_true",
                        help="write the trials CSV (autotune.log_csv, else a new file in the temp dir)")
+    r.add_argument("--enable_bagua_net", action="store_true",
+                   help="Bagua's flag: NCCL's own multi-socket transport (NCCL_SOCKET_NTHREADS, "
+                        "NCCL_NSOCKS_PERTHREAD), since Bagua-Net cannot load in current NCCL")
     r.add_argument("target", help="the script (or module with -m)")
     r.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     r.set_defaults(func=_run)

@@ -20,6 +20,7 @@ AUTOTUNE_MAX_SAMPLES = "FUSEDOPT_AUTOTUNE_MAX_SAMPLES"      # overrides autotune
 AUTOTUNE_TRIAL_SECONDS = "FUSEDOPT_AUTOTUNE_TRIAL_SECONDS"  # overrides autotune.trial_seconds
 AUTOTUNE_WARMUP_SECONDS = "FUSEDOPT_AUTOTUNE_WARMUP_SECONDS"  # overrides autotune.warmup_seconds
 AUTOTUNE_LOG = "FUSEDOPT_AUTOTUNE_LOG"                      # overrides autotune.log_csv
+ALGORITHM = "FUSEDOPT_ALGORITHM"        # overrides algorithm.name: decentralized, qadam, async, ...
 DATA_CACHE = "FUSEDOPT_DATA_CACHE"      # overrides data.cache: 1, local, redis or redis://host:port
 DATA_BALANCE = "FUSEDOPT_DATA_BALANCE"  # overrides data.load_balance: len or module:function
 
@@ -43,11 +44,12 @@ OVERRIDES = {
     AUTOTUNE_TRIAL_SECONDS: "autotune.trial_seconds",
     AUTOTUNE_WARMUP_SECONDS: "autotune.warmup_seconds",
     AUTOTUNE_LOG: "autotune.log_csv",
+    ALGORITHM: "algorithm.name",
     DATA_CACHE: "data.cache",
     DATA_BALANCE: "data.load_balance",
 }
 _STRIPPED = {MODE, CHUNK_BYTES, EXACT, AUTOTUNE, AUTOTUNE_MAX_SAMPLES, AUTOTUNE_TRIAL_SECONDS, AUTOTUNE_WARMUP_SECONDS,
-             DATA_CACHE, DATA_BALANCE}
+             ALGORITHM, DATA_CACHE, DATA_BALANCE}
 
 
 def flag(name, environ=None):

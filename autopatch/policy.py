@@ -15,7 +15,8 @@ from pathlib import Path
 import yaml
 
 from . import env as _env
-from .vocabulary import COMPRESSIONS, EXACTNESS, OFF, POLICY_MODES, SWITCHABLE_MODES
+from .vocabulary import (ALGORITHMS, COMPRESSIONS, EXACTNESS, GRADIENT_ALLREDUCE, OFF,
+                         PEER_SELECTION_MODES, POLICY_MODES, SWITCHABLE_MODES)
 
 SCHEMA_VERSION = 1
 TUNABLE_KNOBS = ("mode", "chunk_size_2p", "bucket_size_2p", "hierarchical", "compression")
@@ -69,6 +70,18 @@ class Allreduce:
 
 
 @dataclass(frozen=True)
+class Algorithm:
+    """The communication algorithm of DDP models (comm/algorithms/), with Bagua's arguments; a
+    key the algorithm does not take is ignored, and None means the algorithm's own default."""
+    name: str = GRADIENT_ALLREDUCE
+    hierarchical: object = None        # None: hierarchical when the job spans several nodes
+    peer_selection_mode: str = "all"   # decentralized: all or shift_one
+    communication_interval: int = 1    # decentralized, low_precision_decentralized
+    sync_interval_ms: int = 500        # async
+    warmup_steps: object = None        # async, qadam: steps of gradient allreduce first
+
+
+@dataclass(frozen=True)
 class Autotune:
     enabled: bool = False
     knobs: tuple = ("mode", "chunk_size_2p", "bucket_size_2p")
@@ -115,6 +128,7 @@ class Policy:
     optimizers: Optimizers = field(default_factory=Optimizers)
     fusion: Fusion = field(default_factory=Fusion)
     allreduce: Allreduce = field(default_factory=Allreduce)
+    algorithm: Algorithm = field(default_factory=Algorithm)
     autotune: Autotune = field(default_factory=Autotune)
     data: Data = field(default_factory=Data)
     logging: Logging = field(default_factory=Logging)
@@ -123,7 +137,7 @@ class Policy:
         return dataclasses.asdict(self)
 
 
-_SECTIONS = {"optimizers": Optimizers, "fusion": Fusion, "allreduce": Allreduce,
+_SECTIONS = {"optimizers": Optimizers, "fusion": Fusion, "allreduce": Allreduce, "algorithm": Algorithm,
              "autotune": Autotune, "data": Data, "logging": Logging}
 # Keys whose value may be a mapping of their own (``data: {cache: {backend: ..., name: ...}}``).
 _NESTED = ("data.cache",)
@@ -240,6 +254,10 @@ def _complexity(v):
     return v
 
 
+def _optional_bool(v):
+    return None if v is None or v == "null" else _typed(bool)(v)
+
+
 def _optional_int(v):
     return None if v is None else _typed(int, 1)(v)
 
@@ -283,6 +301,10 @@ _CHECKS = {
     "allreduce.compression": _choice(COMPRESSIONS), "allreduce.hierarchical": _typed(bool),
     "allreduce.bucket_size_2p": lambda v: 2 ** _typed(int, 10, 31)(v),
     "allreduce.timeout_seconds": lambda v: None if v is None else _typed(float, 0.001)(v),
+    "algorithm.name": _choice(ALGORITHMS), "algorithm.hierarchical": _optional_bool,
+    "algorithm.peer_selection_mode": _choice(PEER_SELECTION_MODES),
+    "algorithm.communication_interval": _typed(int, 1), "algorithm.sync_interval_ms": _typed(int, 0),
+    "algorithm.warmup_steps": lambda v: None if v is None else _typed(int, 0)(v),
     "autotune.enabled": _typed(bool), "autotune.knobs": _knobs,
     "autotune.warmup_steps": _typed(int, 0), "autotune.warmup_seconds": _typed(float, 0.0),
     "autotune.trial_seconds": _typed(float, 0.0), "autotune.windows": _typed(int, 1, 100),
@@ -338,10 +360,12 @@ _SPELLINGS = {"allreduce.bucket_size_2p": "allreduce.bucket_bytes",
               "fusion.auto_order": "fusion.auto_candidates", "data.cache": "data.cache.backend"}
 
 
-def _apply(values, updates, where, lines):
-    """Validate dotted-key updates and merge them into the nested ``values`` dict."""
+def _apply(values, updates, where, lines, origins):
+    """Validate dotted-key updates and merge them into the nested ``values`` dict; ``origins``
+    records where each key was last set, for errors that only a combination of keys shows."""
     for key, raw in updates.items():
         loc = f"{where}:{lines[key]}" if key in lines else where
+        origins[_SPELLINGS.get(key, key)] = loc
         if key in _REPLACED:
             raise PolicyError(f"{loc}: key '{key}': {_REPLACED[key]}")
         if key not in _CHECKS:
@@ -422,17 +446,33 @@ def load(spec=None, env_overrides=None, overrides=None):
     dotted key -> value, applied in that order on top of the file.
     """
     values = {s: {} for s in _SECTIONS}
+    origins = {}
     path, display = resolve_path(spec or "default")
     doc, lines = _read(path)
     flat, meta = _flatten(doc, str(path), lines)
-    _apply(values, flat, str(path), lines)
+    _apply(values, flat, str(path), lines, origins)
     variables = {key: var for var, key in _env.OVERRIDES.items()}
     for key, raw in (env_overrides or {}).items():
-        _apply(values, {key: raw}, f"environment variable {variables.get(key, key)}", {})
-    _apply(values, overrides or {}, "enable() argument", {})
+        _apply(values, {key: raw}, f"environment variable {variables.get(key, key)}", {}, origins)
+    _apply(values, overrides or {}, "enable() argument", {}, origins)
     sections = {s: cls(**values[s]) for s, cls in _SECTIONS.items()}
+    _check_algorithm(sections, origins, display)
     name = meta.get("name", Path(path).stem)
     return Policy(name=str(name), source=display, **sections)
+
+
+def _check_algorithm(sections, origins, display):
+    """What the algorithm's keys allow only together: it needs the DDP takeover, and qadam
+    warms up for at least one step (its variance is frozen from what warm-up measured)."""
+    algorithm, allreduce = sections["algorithm"], sections["allreduce"]
+    where = origins.get("algorithm.name", display)
+    if algorithm.name != GRADIENT_ALLREDUCE and allreduce.enabled is False:
+        raise PolicyError(f"{where}: key 'algorithm.name': {algorithm.name} runs through autopatch's "
+                          f"takeover of DistributedDataParallel, which allreduce.enabled: false "
+                          f"({origins.get('allreduce.enabled', display)}) turns off")
+    if algorithm.name == "qadam" and algorithm.warmup_steps == 0:
+        raise PolicyError(f"{origins.get('algorithm.warmup_steps', display)}: key 'algorithm.warmup_steps': "
+                          "qadam needs at least 1 warm-up step (its second moment is frozen after them)")
 
 
 ENABLE_ALIASES = {

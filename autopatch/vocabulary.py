@@ -1,4 +1,5 @@
-"""The names every room shares: fusion modes, gradient compressions, exactness levels.
+"""The names every room shares: fusion modes, gradient compressions, exactness levels, and the
+communication algorithms.
 
 One place, free of heavy imports, so the policy (read before torch is loaded), the mode chooser,
 autotune and the communication room cannot drift apart in what they call a mode or a compression.
@@ -14,3 +15,11 @@ POLICY_MODES = (OFF, AUTO, *FUSION_MODES)            # what fusion.mode may say
 
 COMPRESSIONS = ("none", "fp16", "bf16", "minmax_uint8")
 EXACTNESS = ("bitwise", "rounding")
+
+# Communication algorithms, by Bagua's names. The first two only change how gradients are averaged
+# (the bucketed allreduce, bytegrad with 8-bit compression); the others exchange weights or
+# Adam's first moment instead (comm/algorithms/).
+GRADIENT_ALLREDUCE, BYTEGRAD = "gradient_allreduce", "bytegrad"
+GRADIENT_ALGORITHMS = (GRADIENT_ALLREDUCE, BYTEGRAD)
+ALGORITHMS = (*GRADIENT_ALGORITHMS, "decentralized", "low_precision_decentralized", "qadam", "async")
+PEER_SELECTION_MODES = ("all", "shift_one")

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopatch import env, policy
+from autopatch import env, policy, vocabulary
 from autopatch.policy import PolicyError
 from conftest import clean_env, run_python
 
-REQUIRED = {"default", "safe", "multi_layer", "backward", "forward", "autotune", "distributed"}
+REQUIRED = {"default", "safe", "multi_layer", "backward", "forward", "autotune", "distributed",
+            *vocabulary.ALGORITHMS}
 
 
 def write(tmp_path, text, name="p.yaml"):
@@ -42,6 +43,9 @@ def test_builtins_say_what_their_name_says():
         assert policy.load(mode).fusion.mode == mode
     assert policy.load("autotune").autotune.enabled is True
     assert policy.load("distributed").allreduce.enabled is True
+    assert policy.load("default").algorithm.name == "gradient_allreduce"
+    for name in vocabulary.ALGORITHMS:
+        assert policy.load(name).algorithm.name == name and policy.load(name).allreduce.enabled is True
 
 
 def test_no_spec_means_default():
@@ -112,6 +116,15 @@ BAD = {
                                "'fusion.auto_candidates'"),
     "empty auto candidates": ("fusion:\n  auto_candidates: []\n", 2, "'fusion.auto_candidates'"),
     "too few measure steps": ("fusion:\n  measure_steps: 4\n", 2, "'fusion.measure_steps'"),
+    "unknown algorithm": ("algorithm:\n  name: gossip\n", 2, "'algorithm.name'"),
+    "unknown peer selection": ("algorithm:\n  name: decentralized\n  peer_selection_mode: ring\n", 3,
+                               "'algorithm.peer_selection_mode'"),
+    "hierarchical neither bool nor null": ("algorithm:\n  hierarchical: sometimes\n", 2,
+                                           "'algorithm.hierarchical'"),
+    "no interval": ("algorithm:\n  communication_interval: 0\n", 2, "'algorithm.communication_interval'"),
+    "qadam without warm-up": ("algorithm:\n  name: qadam\n  warmup_steps: 0\n", 3, "'algorithm.warmup_steps'"),
+    "algorithm without the takeover": ("allreduce:\n  enabled: false\nalgorithm:\n  name: async\n", 4,
+                                       "'algorithm.name'"),
     "both spellings": ("fusion:\n  auto_order: [backward]\n  auto_candidates: [forward]\n", 2,
                        "'fusion.auto_order'"),
 }
@@ -178,7 +191,8 @@ def test_missing_file(tmp_path):
 
 @pytest.mark.parametrize("var,value,key", [("FUSEDOPT_MODE", "turbo", "fusion.mode"),
                                            ("FUSEDOPT_AUTOTUNE", "maybe", "autotune.enabled"),
-                                           ("FUSEDOPT_CHUNK_BYTES", "12", "fusion.chunk_bytes")])
+                                           ("FUSEDOPT_CHUNK_BYTES", "12", "fusion.chunk_bytes"),
+                                           ("FUSEDOPT_ALGORITHM", "gossip", "algorithm.name")])
 def test_bad_environment_value_names_the_variable(var, value, key):
     with pytest.raises(PolicyError) as err:
         policy.load("default", env_overrides=env.policy_overrides({var: value}))

@@ -189,6 +189,16 @@ def test_launcher_runs_the_script_enabled_with_its_arguments(tmp_path, launcher)
     assert out["path0"] == str(tmp_path)
 
 
+def test_enable_bagua_net_sets_nccls_socket_transport_and_says_so(tmp_path):
+    script = write_script(tmp_path / "job.py", "import os\nprint(os.environ['NCCL_SOCKET_NTHREADS'], "
+                                               "os.environ['NCCL_NSOCKS_PERTHREAD'])\n")
+    res = run_python(["-m", "autopatch", "run", "--enable_bagua_net", "--policy", "safe", script],
+                     env=clean_env(NCCL_SOCKET_NTHREADS="2"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["2", "4"]                # a value the user set is kept
+    assert "Bagua-Net cannot load" in res.stderr and "NCCL_NSOCKS_PERTHREAD=4" in res.stderr
+
+
 def test_launcher_module_form_and_bad_policy(tmp_path):
     (tmp_path / "jobmod.py").write_text("import sys, autopatch\nprint(sys.argv[1:], __name__, autopatch.is_enabled())\n")
     env = clean_env(PYTHONPATH=f"{tmp_path}:{TESTS}")

@@ -12,6 +12,13 @@ hook, DDP ``mixed_precision``, delayed-allreduce parameters, compiled DDP (pytho
 gradients, complex parameters, optimizers applied in backward. A taken-over model is handed back
 to DDP when a comm hook or static graph is set on it later, or when it enters a ``Join`` context
 for uneven inputs (DDP's join hook shadows DDP's own collectives, which autopatch does not issue).
+
+The policy's communication algorithm (``algorithm_choice.py``) decides what travels. The gradient
+algorithms are settings of the bucketed allreduce; the others are an object per model
+(``comm/algorithms/``) that the forward wrapper drives (``before_forward``, and the allreduce is
+armed only while ``gradient_sync()`` says so) and the runtime drives around each optimizer step
+(``before_step`` / ``after_step`` / ``step_of``). Retiring a model, handing it back and
+``remove()`` close its algorithm.
 """
 
 import collections
@@ -24,8 +31,11 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from ..patching import Ledger
+from ..policy import PolicyError
+from .algorithm_choice import AlgorithmChoice, describe_algorithm
 from .allreduce import BucketedAllreduce
 from .compression import checked
+from .model_algorithms import ModelAlgorithms
 
 HANDED_BACK_BY = {
     "register_comm_hook": "a DDP communication hook was registered",
@@ -71,12 +81,16 @@ class DDPTakeover:
     """
 
     def __init__(self, *, bucket_bytes, compression="none", hierarchical=False,
-                 timeout_seconds=None, warn=False):
-        self.options = {"bucket_bytes": int(bucket_bytes), "compression": compression,
+                 timeout_seconds=None, warn=False, algorithm=None):
+        """``algorithm``: an ``AlgorithmChoice`` for the models built from now on (default:
+        gradient_allreduce)."""
+        self.choice = algorithm or AlgorithmChoice()
+        self.options = {"bucket_bytes": int(bucket_bytes), "compression": self.choice.compression(compression),
                         "hierarchical": bool(hierarchical), "timeout_seconds": timeout_seconds}
         self.warn = warn
         self.ledger = Ledger()
         self.reducers = weakref.WeakKeyDictionary()     # DDP model -> BucketedAllreduce, while in charge
+        self.algorithms = ModelAlgorithms(self._dropped)
         self.history = []      # per adopted model: its reducer, or once retired its last description
         self.left_to_ddp = []
         # on_averaged() callbacks by handle id; torch's RemovableHandle needs a weakref-able dict
@@ -112,31 +126,63 @@ class DDPTakeover:
     def adopt(self, ddp):
         if ddp in self.reducers:
             return
+        reducer = algorithm = None
         try:
             reason = _unsupported(ddp)
             if reason is None:
                 params, _ = ddp._build_params_for_reducer()
                 name_of = {id(p): n for n, p in ddp.module.named_parameters()}
+                options = self.choice.allreduce_options(self._options_for(ddp), ddp.process_group, params[0].device)
                 reducer = BucketedAllreduce(
                     params, [name_of.get(id(p), "?") for p in params], ddp.process_group,
-                    find_unused=ddp.find_unused_parameters, on_averaged=self._averaged,
-                    **self._options_for(ddp))
+                    find_unused=ddp.find_unused_parameters, on_averaged=self._averaged, **options)
+                algorithm = self.choice.build(params, ddp.process_group, self.options["timeout_seconds"])
+        except PolicyError:      # settings this world cannot run: every rank raises here alike
+            if reducer is not None:
+                reducer.remove()
+            raise
         except Exception as e:   # an optimisation must never stop the user's model from training
+            if reducer is not None:
+                reducer.remove()
             reason = f"could not take over ({type(e).__name__}: {e})"
         if reason is not None:
             self._leave(ddp, reason)
             return
         self.reducers[ddp] = reducer
         entry = {"model": type(ddp.module).__name__, "reducer": reducer}
+        if algorithm is not None:
+            self.algorithms.add(ddp, algorithm)
+            entry["algorithm"] = algorithm
         self.history.append(entry)
         weakref.finalize(ddp, self._retire, entry, "the model was freed")   # the report outlives it
 
     def _retire(self, entry, why):
-        """Stop reducing for this model; keep only its description, not its buffers."""
+        """Stop reducing for this model and close its algorithm; keep only their descriptions."""
         reducer = entry.pop("reducer", None)
         if reducer is not None:
             reducer.remove()
             entry.update(reducer.describe(), ended=why)
+        self._close_algorithm(entry)
+
+    @staticmethod
+    def _close_algorithm(entry, why=None):
+        """Close the model's algorithm, if one runs; its report entry keeps its last description."""
+        algorithm = entry.get("algorithm")
+        if algorithm is not None and not isinstance(algorithm, dict):
+            algorithm.close()
+            entry["algorithm"] = dict(algorithm.describe(), **({"dropped": why} if why else {}))
+
+    def _entry(self, ddp):
+        reducer = self.reducers.get(ddp)
+        return next(e for e in self.history if e.get("reducer") is reducer)
+
+    def _dropped(self, ddp, algorithm, why):
+        """An algorithm cannot go on for this model (qadam over an optimizer it cannot continue):
+        it is closed, and the bucketed allreduce averages the gradients from now on."""
+        self._close_algorithm(self._entry(ddp), why)
+        if dist.get_rank() == 0:
+            warnings.warn(f"autopatch: {type(ddp.module).__name__}: {algorithm.name} is not used: {why}",
+                          RuntimeWarning, stacklevel=2)
 
     def _options_for(self, ddp):
         """Hierarchical reduce groups ranks by node across the whole world, so it needs the world."""
@@ -150,9 +196,10 @@ class DDPTakeover:
                           RuntimeWarning, stacklevel=3)
 
     def hand_back(self, ddp, reason):
-        reducer = self.reducers.pop(ddp, None)
-        if reducer is not None:
-            entry = next(e for e in self.history if e.get("reducer") is reducer)
+        if ddp in self.reducers:
+            entry = self._entry(ddp)
+            del self.reducers[ddp]
+            self.algorithms.pop(ddp)
             self._retire(entry, f"handed back to DDP: {reason}")
             self._leave(ddp, reason)
 
@@ -165,16 +212,20 @@ class DDPTakeover:
         reducer = self.reducers.get(instance)
         if reducer is None:
             return wrapped(*args, **kwargs)
+        algorithm = self.algorithms.get(instance)
         wanted = instance.require_backward_grad_sync
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and algorithm is not None:
+            algorithm.before_forward(wanted)
         instance.require_backward_grad_sync = False
         try:
             out = wrapped(*args, **kwargs)
         finally:
             instance.require_backward_grad_sync = wanted
-        grad_enabled = torch.is_grad_enabled()
-        instance.require_forward_param_sync = grad_enabled and wanted
+        instance.require_forward_param_sync = grad_enabled and wanted and (
+            algorithm is None or algorithm.syncs_buffers)
         if grad_enabled:
-            reducer.arm(wanted)
+            reducer.arm(wanted and (algorithm is None or algorithm.gradient_sync()))
         return out
 
     def _handing_back(self, reason):
@@ -218,8 +269,7 @@ class DDPTakeover:
 
     # -- report and removal -------------------------------------------------------------------
     def describe(self):
-        models = [dict(model=e["model"], **e["reducer"].describe()) if "reducer" in e else dict(e)
-                  for e in self.history]
+        models = [self._describe_model(e) for e in self.history]
         in_charge = [m for m in models if not m.get("ended", "").startswith("handed back")]
         if any("ended" not in m for m in models):
             reason = f"averages the gradients of {sum('ended' not in m for m in models)} DDP model(s)"
@@ -238,13 +288,73 @@ class DDPTakeover:
             "hierarchical": self.hierarchical,
             "bytes_sent_per_step": sum(m["bytes_sent_per_step"] for m in in_charge),
             "wait_seconds": round(sum(m["wait_seconds"] for m in models), 6),
+            "algorithm": describe_algorithm(self.choice, self.options, in_charge),
             "models": models,
             "left_to_ddp": list(self.left_to_ddp),
         }
 
+    @staticmethod
+    def _describe_model(entry):
+        if "reducer" not in entry:
+            return dict(entry)
+        out = dict(model=entry["model"], **entry["reducer"].describe())
+        if "algorithm" in entry:     # the live algorithm, or once dropped its last description
+            algorithm = entry["algorithm"]
+            out["algorithm"] = algorithm if isinstance(algorithm, dict) else algorithm.describe()
+        return out
+
     def remove(self):
-        """Give every model back to DDP's own reducer and restore the DDP class."""
+        """Give every model back to DDP's own reducer, close every algorithm, and restore the
+        DDP class."""
         for entry in self.history:
             self._retire(entry, "autopatch was disabled")
         self.reducers.clear()
+        self.algorithms.by_model.clear()
         self.ledger.uninstall()
+
+    # -- the algorithms, for the runtime and for code that names one ------------------------------
+    def algorithm(self, model):
+        """The algorithm object of ``model`` (the DDP model, or the module it wraps), or None
+        (a gradient algorithm, or a model not taken over): ``algorithm(model).abort()`` and
+        ``.resume()`` stop and restart async averaging."""
+        for ddp, algorithm in self.algorithms.by_model.items():
+            if model is ddp or model is ddp.module:
+                return algorithm
+        return None
+
+    def use_algorithm(self, ddp, choice):
+        """Run ``ddp`` with ``choice`` (an ``AlgorithmChoice``) from its next forward on; its
+        current algorithm is closed. A collective over its process group. False when DDP keeps
+        its own gradient sync for this model (``left_to_ddp`` says why)."""
+        if ddp not in self.reducers:
+            return False
+        entry = self._entry(ddp)
+        self.algorithms.pop(ddp)
+        self._close_algorithm(entry, f"replaced by {choice.name}")
+        entry.pop("algorithm", None)
+        reducer = entry["reducer"]
+        options = choice.allreduce_options(self._options_for(ddp), ddp.process_group, reducer.device)
+        reducer.set_compression(options["compression"])
+        reducer.set_hierarchical(options["hierarchical"])
+        algorithm = choice.build(reducer.params, ddp.process_group, self.options["timeout_seconds"])
+        if algorithm is not None:
+            self.algorithms.add(ddp, algorithm)
+            entry["algorithm"] = algorithm
+        return True
+
+    def algorithm_of(self, params):
+        """The algorithm exchanging the weights or optimizer state of any of ``params``, or None."""
+        return self.algorithms.of_params(params)
+
+    def before_step(self, opt):
+        """``opt`` is about to step: the algorithms of the models it updates prepare."""
+        if self.algorithms and opt is not None:
+            self.algorithms.before_step(opt)
+
+    def after_step(self, opt):
+        if self.algorithms and opt is not None:
+            self.algorithms.after_step(opt)
+
+    def step_of(self, opt):
+        """What takes ``opt``'s step over (an object with ``name`` and ``step(opt)``), or None."""
+        return self.algorithms.step_of(opt) if self.algorithms else None

@@ -15,6 +15,7 @@ from .active import ActiveMode
 from .chooser import ModeChooser
 from .eligibility import Eligibility
 from .interception import StepInterception
+from .step_override import StepOverride
 
 LET_GO = "autopatch was disabled"
 
@@ -24,16 +25,21 @@ def qualified_name(cls):
 
 
 class OptimizerController:
-    def __init__(self, opt, policy, events, forward_reads, averaged_by):
-        """``events``: where switches, steps and auto's measurements are announced;
-        ``forward_reads``: mode forward's patches; ``averaged_by(params)``: autopatch's allreduce
-        when it averages all of ``params``' gradients, else None."""
+    def __init__(self, opt, policy, events, forward_reads, averaged_by, algorithm_of, step_of):
+        """``events``: where steps beginning and ending, switches and auto's measurements are
+        announced; ``forward_reads``: mode forward's patches; ``averaged_by(params)``: autopatch's
+        allreduce when it averages all of ``params``' gradients, else None;
+        ``algorithm_of(params)``: the communication algorithm exchanging their weights or state,
+        else None; ``step_of(opt)``: what takes this step over (``name``, ``step(opt)``), else None."""
         self.ref = weakref.ref(opt)
         self.qualname = qualified_name(type(opt))
         self.events = events
+        self.step_of = step_of
+        self.override = None          # the StepOverride of the step under way
+        self.overridden = {}          # who took steps over -> how many
         self.params = self._count_params(opt)
         self.step_mode = OFF          # the mode that ran the last step (a switch may follow it)
-        self.eligibility = Eligibility(self.qualname, policy.fusion, averaged_by)
+        self.eligibility = Eligibility(self.qualname, policy.fusion, averaged_by, algorithm_of)
         self.chooser = ModeChooser(self.qualname, policy, self.eligibility)
         self.active = ActiveMode(self.qualname, policy.fusion.chunk_bytes, forward_reads,
                                  self.eligibility.averager, route_of=lambda: self.chooser.route,
@@ -102,6 +108,8 @@ class OptimizerController:
         fusion = self.active.describe()
         if fusion is not None:
             out["fusion"] = fusion
+        if self.overridden:
+            out["steps_taken_over"] = dict(self.overridden)
         out.update(self.chooser.describe())
         return out
 
@@ -117,12 +125,26 @@ class OptimizerController:
             self.events.emit("auto", self, decision.measured)
 
     def step_begins(self, opt, closure):
+        self.events.emit("step_begins", self)
         with guard.fallback(self.active, opt, "choosing the mode"):
             self._apply(opt, self.chooser.step_begins(opt, closure, self.steps, self.mode))
         self.step_mode = self.mode
-        return None if self.active.strategy is None else self.active.before_step(opt, closure)
+        if self.active.strategy is not None:
+            return self.active.before_step(opt, closure)
+        owner = self.step_of(opt)
+        if owner is None:
+            return None
+        self.overridden[owner.name] = self.overridden.get(owner.name, 0) + 1
+        self.override = StepOverride(opt, owner)
+        return self.override.before_step(closure)
+
+    def _end_override(self):
+        if self.override is not None:
+            self.override.after_step()
+            self.override = None
 
     def step_ends(self, opt):
+        self._end_override()
         if self.active.strategy is not None:
             unsafe, differs = self.active.after_step(opt)
             if unsafe:
@@ -134,6 +156,7 @@ class OptimizerController:
         self.events.emit("step", self)
 
     def step_abandoned(self):
+        self._end_override()
         self.flush()
 
     def state_io(self, opt):

@@ -4,7 +4,8 @@ Three things can rule a mode out: the optimizer class (the probe steps a throw-a
 small tensors both ways: an update that is not elementwise cannot be fused), the run (what the
 watch over the first steps saw, or what happened later: a closure, accumulation), and the setting
 (DTensor parameters; across processes, backward fusion needs gradients averaged by autopatch's
-allreduce). Every answer is a reason in words, for the report.
+allreduce, and a communication algorithm that moves weights allows only the modes it names).
+Every answer is a reason in words, for the report.
 """
 
 from .. import dist
@@ -16,12 +17,15 @@ from . import sharded
 
 
 class Eligibility:
-    def __init__(self, qualname, fusion, averaged_by):
+    def __init__(self, qualname, fusion, averaged_by, algorithm_of):
         """``fusion``: the policy's fusion section; ``averaged_by(params)``: what averages all of
-        ``params``' gradients across processes inside backward (autopatch's allreduce), or None."""
+        ``params``' gradients across processes inside backward (autopatch's allreduce), or None;
+        ``algorithm_of(params)``: the communication algorithm exchanging their weights or
+        optimizer state (with ``name``, ``fusion_modes`` and ``fusion_refusal``), or None."""
         self.qualname = qualname
         self.fusion = fusion
         self._averaged_by = averaged_by
+        self._algorithm_of = algorithm_of
         self.fusable = False     # the probe accepted the class: its mode may change at run time
         self.bitwise = None      # the probe found fused steps bit for bit equal (None: not probed)
         self.watched = False     # the first steps were watched: ``blocked`` is known
@@ -30,6 +34,8 @@ class Eligibility:
     def check(self, opt, mode):
         """None when ``mode`` cannot change this optimizer's results, else the reason it might."""
         if why := sharded.mode_refusal(opt, mode):
+            return why
+        if why := self._algorithm_refusal(opt, mode):
             return why
         if mode in WATCHED_MODES and raw_step_of(opt) is None:
             return "its step() is not wrapped by torch's Optimizer hooks"
@@ -45,6 +51,14 @@ class Eligibility:
                 return result.reason
             self.bitwise = result.bitwise if self.bitwise is None else self.bitwise and result.bitwise
         return sharded.probe_refusal(opt, self.bitwise)
+
+    def _algorithm_refusal(self, opt, mode):
+        """Gradient algorithms combine with every mode; those that exchange weights or optimizer
+        state only with the modes they name."""
+        algorithm = self._algorithm_of([p for g in opt.param_groups for p in g["params"]])
+        if algorithm is None or mode in algorithm.fusion_modes:
+            return None
+        return f"communication algorithm {algorithm.name}: {algorithm.fusion_refusal}"
 
     def why_not(self, opt, mode):
         """None when this run may use ``mode`` now, else why not: what the watch or the run

@@ -19,6 +19,12 @@ def summary(report):
         for i in o.get("incidents", []):
             lines.append(f"    step {i['step']}: left {i['left']} for {i['for']}: {i['what']}"
                          + (" (that step's update differs from unpatched)" if i["update_differs"] else ""))
+    algorithm = (report.get("allreduce") or {}).get("algorithm")
+    if algorithm and report["allreduce"]["active"]:
+        settings = ", ".join(f"{k} {v}" for k, v in algorithm["settings"].items())
+        extra = "".join(f", {k.replace('_', ' ')} {algorithm[k]}" for k in ("averaging_rounds", "phase") if k in algorithm)
+        lines.append(f"  communication: {algorithm['name']} ({settings}): {algorithm['bytes_sent_per_step']} bytes "
+                     f"sent per step, {algorithm['wait_seconds']:.3f} s waiting{extra}")
     return "\n".join(lines)
 
 

@@ -1,5 +1,7 @@
 """What an enabled autopatch announces; each subscriber gets a handle that removes it.
 
+- ``step_begins``: an optimizer's ``step()`` was called (``fn(optimizer_handle)``), before autopatch
+  or the optimizer touches anything;
 - ``step``: an optimizer finished a step (``fn(optimizer_handle)``), after its time was counted;
 - ``switch``: an optimizer's mode changed (``fn(optimizer_handle)``);
 - ``auto``: mode auto finished a measurement (``fn(optimizer_handle, figures)``).
@@ -7,7 +9,7 @@
 
 from ..listeners import Listeners
 
-NAMES = ("step", "switch", "auto")
+NAMES = ("step_begins", "step", "switch", "auto")
 
 
 class Events:

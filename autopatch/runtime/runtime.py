@@ -91,21 +91,35 @@ class Runtime:
                 or isinstance(getattr(obj, "_optimizer", None), optimizer_cls))
 
     def _take_over_ddp(self, module):
-        """DDP models built from now on (and live ones) get autopatch's bucketed allreduce."""
+        """DDP models built from now on (and live ones) get autopatch's bucketed allreduce, or
+        the policy's communication algorithm, which hears of every optimizer step."""
+        from ..comm.algorithm_choice import AlgorithmChoice
         from ..comm.takeover import DDPTakeover
         if self.comm is not None:
             return
         ar = self.policy.allreduce
-        self.comm = DDPTakeover(bucket_bytes=ar.bucket_bytes, compression=ar.compression,
-                                hierarchical=ar.hierarchical, timeout_seconds=ar.timeout_seconds,
-                                warn=ar.enabled is True)
-        self.comm.install(module)
+        comm = DDPTakeover(bucket_bytes=ar.bucket_bytes, compression=ar.compression,
+                           hierarchical=ar.hierarchical, timeout_seconds=ar.timeout_seconds,
+                           warn=ar.enabled is True, algorithm=AlgorithmChoice.from_policy(self.policy))
+        self.events.subscribe("step_begins", lambda handle: comm.before_step(handle.optimizer))
+        self.events.subscribe("step", lambda handle: comm.after_step(handle.optimizer))
+        self.comm = comm
+        comm.install(module)
 
     def averaged_by(self, params):
         """The allreduce that averages the gradients of every one of ``params`` inside backward,
         or None (backward fusion across processes waits for it)."""
         comm = self.comm
         return comm if comm is not None and comm.averages(params) else None
+
+    def algorithm_of(self, params):
+        """The communication algorithm that exchanges the weights or optimizer state of any of
+        ``params`` (fusion modes that would cross it are refused), or None."""
+        return None if self.comm is None else self.comm.algorithm_of(params)
+
+    def step_of(self, opt):
+        """What takes ``opt``'s step over (qadam past warm-up: ``name``, ``step(opt)``), or None."""
+        return None if self.comm is None else self.comm.step_of(opt)
 
     def _describe_collectives(self):
         """The allreduce section; with sharded parameters it says their collectives stay FSDP's."""
@@ -127,7 +141,8 @@ class Runtime:
         from ..modes.controller import OptimizerController
         ctrl = self.controller_of(opt)
         if ctrl is None:
-            ctrl = OptimizerController(opt, self.policy, self.events, self.forward_reads, self.averaged_by)
+            ctrl = OptimizerController(opt, self.policy, self.events, self.forward_reads, self.averaged_by,
+                                       self.algorithm_of, self.step_of)
             self._by_id[id(opt)] = ctrl
             self.controllers.append(ctrl)
         return ctrl

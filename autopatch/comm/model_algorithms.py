@@ -1,0 +1,68 @@
+"""The algorithm objects of the DDP models a takeover is in charge of, seen from the optimizers.
+
+Every optimizer step over a model's parameters is wrapped in its algorithm's ``before_step`` and
+``after_step`` (the runtime calls ``before_step(opt)`` / ``after_step(opt)`` around each step of
+every adopted optimizer). The first time an optimizer steps a model, the algorithm says whether
+it can go on with it (``fits``: qadam continues Adam and AdamW only); if not, the algorithm is
+dropped for that model, which keeps the gradient allreduce, and ``on_drop(model, algorithm, why)``
+says so. ``step_of(opt)`` is the algorithm that takes the optimizer's step over, if any.
+
+Nothing here imports the algorithms: the takeover is built while torch itself is being imported.
+"""
+
+import weakref
+
+
+class ModelAlgorithms:
+    def __init__(self, on_drop):
+        self.by_model = weakref.WeakKeyDictionary()    # DDP model -> its Algorithm
+        self.on_drop = on_drop
+        self._fitting = weakref.WeakKeyDictionary()    # optimizer -> ids of the algorithms it fits
+
+    def __bool__(self):
+        return bool(self.by_model)
+
+    def get(self, model):
+        return self.by_model.get(model)
+
+    def add(self, model, algorithm):
+        self.by_model[model] = algorithm
+
+    def pop(self, model):
+        return self.by_model.pop(model, None)
+
+    def of_params(self, params):
+        """The algorithm of the model holding any of ``params``, or None."""
+        ids = {id(p) for p in params}
+        return next((alg for alg in self.by_model.values() if any(id(p) in ids for p in alg.params)), None)
+
+    def _stepped_by(self, opt):
+        """The algorithms whose parameters ``opt`` updates and that can go on with it."""
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        return [alg for model, alg in list(self.by_model.items())
+                if any(id(p) in ids for p in alg.params) and self._fits(model, alg, opt)]
+
+    def _fits(self, model, alg, opt):
+        fitting = self._fitting.setdefault(opt, set())
+        if id(alg) in fitting:
+            return True
+        why = alg.fits(opt)
+        if why is not None:
+            self.pop(model)
+            self.on_drop(model, alg, f"{why}; gradient allreduce kept")
+            return False
+        fitting.add(id(alg))
+        return True
+
+    # -- around each optimizer step ------------------------------------------------------------
+    def before_step(self, opt):
+        for alg in self._stepped_by(opt):
+            alg.before_step()
+
+    def after_step(self, opt):
+        for alg in self._stepped_by(opt):
+            alg.after_step()
+
+    def step_of(self, opt):
+        """The algorithm whose ``step(opt)`` replaces ``opt``'s own step now, or None."""
+        return next((alg for alg in self._stepped_by(opt) if alg.takes_step_of(opt)), None)
