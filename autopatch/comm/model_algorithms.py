@@ -31,6 +31,13 @@ class ModelAlgorithms:
     def pop(self, model):
         return self.by_model.pop(model, None)
 
+    def clear(self):
+        self.by_model.clear()
+
+    def of_model(self, model):
+        """The algorithm of ``model``: the DDP model, or the module it wraps; or None."""
+        return next((alg for ddp, alg in self.by_model.items() if model is ddp or model is ddp.module), None)
+
     def of_params(self, params):
         """The algorithm of the model holding any of ``params``, or None."""
         ids = {id(p) for p in params}

@@ -18,7 +18,8 @@ algorithms are settings of the bucketed allreduce; the others are an object per 
 (``comm/algorithms/``) that the forward wrapper drives (``before_forward``, and the allreduce is
 armed only while ``gradient_sync()`` says so) and the runtime drives around each optimizer step
 (``before_step`` / ``after_step`` / ``step_of``). Retiring a model, handing it back and
-``remove()`` close its algorithm.
+``remove()`` close its algorithm. What was done per model, for the report, is the
+``TakeoverLog``'s (``takeover_log.py``).
 """
 
 import collections
@@ -32,10 +33,11 @@ from torch.utils.hooks import RemovableHandle
 
 from ..patching import Ledger
 from ..policy import PolicyError
-from .algorithm_choice import AlgorithmChoice, describe_algorithm
+from .algorithm_choice import AlgorithmChoice
 from .allreduce import BucketedAllreduce
 from .compression import checked
 from .model_algorithms import ModelAlgorithms
+from .takeover_log import TakeoverLog
 
 HANDED_BACK_BY = {
     "register_comm_hook": "a DDP communication hook was registered",
@@ -87,12 +89,10 @@ class DDPTakeover:
         self.choice = algorithm or AlgorithmChoice()
         self.options = {"bucket_bytes": int(bucket_bytes), "compression": self.choice.compression(compression),
                         "hierarchical": bool(hierarchical), "timeout_seconds": timeout_seconds}
-        self.warn = warn
         self.ledger = Ledger()
         self.reducers = weakref.WeakKeyDictionary()     # DDP model -> BucketedAllreduce, while in charge
         self.algorithms = ModelAlgorithms(self._dropped)
-        self.history = []      # per adopted model: its reducer, or once retired its last description
-        self.left_to_ddp = []
+        self.log = TakeoverLog(warn)
         # on_averaged() callbacks by handle id; torch's RemovableHandle needs a weakref-able dict
         self._listeners = collections.OrderedDict()
 
@@ -146,40 +146,21 @@ class DDPTakeover:
                 reducer.remove()
             reason = f"could not take over ({type(e).__name__}: {e})"
         if reason is not None:
-            self._leave(ddp, reason)
+            self.log.leave(ddp, reason)
             return
         self.reducers[ddp] = reducer
-        entry = {"model": type(ddp.module).__name__, "reducer": reducer}
         if algorithm is not None:
             self.algorithms.add(ddp, algorithm)
-            entry["algorithm"] = algorithm
-        self.history.append(entry)
-        weakref.finalize(ddp, self._retire, entry, "the model was freed")   # the report outlives it
-
-    def _retire(self, entry, why):
-        """Stop reducing for this model and close its algorithm; keep only their descriptions."""
-        reducer = entry.pop("reducer", None)
-        if reducer is not None:
-            reducer.remove()
-            entry.update(reducer.describe(), ended=why)
-        self._close_algorithm(entry)
-
-    @staticmethod
-    def _close_algorithm(entry, why=None):
-        """Close the model's algorithm, if one runs; its report entry keeps its last description."""
-        algorithm = entry.get("algorithm")
-        if algorithm is not None and not isinstance(algorithm, dict):
-            algorithm.close()
-            entry["algorithm"] = dict(algorithm.describe(), **({"dropped": why} if why else {}))
+        entry = self.log.add(ddp, reducer, algorithm)
+        weakref.finalize(ddp, self.log.retire, entry, "the model was freed")   # the report outlives it
 
     def _entry(self, ddp):
-        reducer = self.reducers.get(ddp)
-        return next(e for e in self.history if e.get("reducer") is reducer)
+        return self.log.entry_of(self.reducers.get(ddp))
 
     def _dropped(self, ddp, algorithm, why):
         """An algorithm cannot go on for this model (qadam over an optimizer it cannot continue):
         it is closed, and the bucketed allreduce averages the gradients from now on."""
-        self._close_algorithm(self._entry(ddp), why)
+        self.log.close_algorithm(self._entry(ddp), why)
         if dist.get_rank() == 0:
             warnings.warn(f"autopatch: {type(ddp.module).__name__}: {algorithm.name} is not used: {why}",
                           RuntimeWarning, stacklevel=2)
@@ -189,19 +170,13 @@ class DDPTakeover:
         spans_world = dist.get_world_size(ddp.process_group) == dist.get_world_size()
         return dict(self.options, hierarchical=self.options["hierarchical"] and spans_world)
 
-    def _leave(self, ddp, reason):
-        self.left_to_ddp.append({"model": type(ddp.module).__name__, "reason": reason})
-        if self.warn and dist.get_rank() == 0:
-            warnings.warn(f"autopatch: {type(ddp.module).__name__} keeps DDP's own gradient sync: {reason}",
-                          RuntimeWarning, stacklevel=3)
-
     def hand_back(self, ddp, reason):
         if ddp in self.reducers:
             entry = self._entry(ddp)
             del self.reducers[ddp]
             self.algorithms.pop(ddp)
-            self._retire(entry, f"handed back to DDP: {reason}")
-            self._leave(ddp, reason)
+            self.log.retire(entry, f"handed back to DDP: {reason}")
+            self.log.leave(ddp, reason)
 
     # -- the wrappers ---------------------------------------------------------------------------
     def _after_init(self, wrapped, instance, args, kwargs):
@@ -269,47 +244,14 @@ class DDPTakeover:
 
     # -- report and removal -------------------------------------------------------------------
     def describe(self):
-        models = [self._describe_model(e) for e in self.history]
-        in_charge = [m for m in models if not m.get("ended", "").startswith("handed back")]
-        if any("ended" not in m for m in models):
-            reason = f"averages the gradients of {sum('ended' not in m for m in models)} DDP model(s)"
-        elif in_charge:
-            reason = f"averaged the gradients of {len(in_charge)} DDP model(s) until {in_charge[-1]['ended']}"
-        elif self.left_to_ddp:
-            reason = f"DDP keeps its own gradient sync: {self.left_to_ddp[-1]['reason']}"
-        else:
-            reason = "no DistributedDataParallel model has been built"
-        return {
-            "active": bool(in_charge),
-            "reason": reason,
-            "bucket_bytes": self.bucket_bytes,
-            "buckets": sum(m["buckets"] for m in in_charge),
-            "compression": self.compression,
-            "hierarchical": self.hierarchical,
-            "bytes_sent_per_step": sum(m["bytes_sent_per_step"] for m in in_charge),
-            "wait_seconds": round(sum(m["wait_seconds"] for m in models), 6),
-            "algorithm": describe_algorithm(self.choice, self.options, in_charge),
-            "models": models,
-            "left_to_ddp": list(self.left_to_ddp),
-        }
-
-    @staticmethod
-    def _describe_model(entry):
-        if "reducer" not in entry:
-            return dict(entry)
-        out = dict(model=entry["model"], **entry["reducer"].describe())
-        if "algorithm" in entry:     # the live algorithm, or once dropped its last description
-            algorithm = entry["algorithm"]
-            out["algorithm"] = algorithm if isinstance(algorithm, dict) else algorithm.describe()
-        return out
+        return self.log.describe(self.choice, self.options)
 
     def remove(self):
         """Give every model back to DDP's own reducer, close every algorithm, and restore the
         DDP class."""
-        for entry in self.history:
-            self._retire(entry, "autopatch was disabled")
+        self.log.retire_all("autopatch was disabled")
         self.reducers.clear()
-        self.algorithms.by_model.clear()
+        self.algorithms.clear()
         self.ledger.uninstall()
 
     # -- the algorithms, for the runtime and for code that names one ------------------------------
@@ -317,10 +259,7 @@ class DDPTakeover:
         """The algorithm object of ``model`` (the DDP model, or the module it wraps), or None
         (a gradient algorithm, or a model not taken over): ``algorithm(model).abort()`` and
         ``.resume()`` stop and restart async averaging."""
-        for ddp, algorithm in self.algorithms.by_model.items():
-            if model is ddp or model is ddp.module:
-                return algorithm
-        return None
+        return self.algorithms.of_model(model)
 
     def use_algorithm(self, ddp, choice):
         """Run ``ddp`` with ``choice`` (an ``AlgorithmChoice``) from its next forward on; its
@@ -330,16 +269,15 @@ class DDPTakeover:
             return False
         entry = self._entry(ddp)
         self.algorithms.pop(ddp)
-        self._close_algorithm(entry, f"replaced by {choice.name}")
-        entry.pop("algorithm", None)
+        self.log.close_algorithm(entry, f"replaced by {choice.name}")
         reducer = entry["reducer"]
         options = choice.allreduce_options(self._options_for(ddp), ddp.process_group, reducer.device)
         reducer.set_compression(options["compression"])
         reducer.set_hierarchical(options["hierarchical"])
         algorithm = choice.build(reducer.params, ddp.process_group, self.options["timeout_seconds"])
+        self.log.set_algorithm(entry, algorithm)
         if algorithm is not None:
             self.algorithms.add(ddp, algorithm)
-            entry["algorithm"] = algorithm
         return True
 
     def algorithm_of(self, params):
