@@ -24,12 +24,17 @@ def _ring(n, nbytes, factor=1):
 
 
 class Averager:
-    """Averages buckets over ``group``, optionally compressed and optionally node by node."""
+    """Averages buckets over ``group``, optionally compressed and optionally node by node.
 
-    def __init__(self, group, compression="none", topology=None):
+    ``chunk``: for ``minmax_uint8``, how many values share one min and max (default: each rank's
+    whole share of a bucket, as ByteGrad's).
+    """
+
+    def __init__(self, group, compression="none", topology=None, chunk=None):
         self.group = group
         self.compression = compression
         self.topology = topology
+        self.chunk = chunk
 
     @property
     def single_collective(self):
@@ -57,7 +62,7 @@ class Averager:
             yield dist.all_reduce(wire, group=group, async_op=True)
             tensor.copy_(wire)
         else:
-            yield from _minmax_uint8(tensor, group)
+            yield from _minmax_uint8(tensor, group, self.chunk)
 
     def bytes_sent(self, tensor):
         nbytes = tensor.numel() * tensor.element_size()
@@ -76,28 +81,40 @@ class Averager:
             return _ring(n, tensor.numel() * tensor.element_size(), 2)
         if self.compression in CAST_DTYPES:
             return _ring(n, tensor.numel() * CAST_DTYPES[self.compression].itemsize, 2)
-        row = -(-tensor.numel() // n) + HEADER_BYTES
-        return 2 * (n - 1) * row                               # all-to-all, then all-gather
+        cols, rows_per_rank = _share(tensor.numel(), n, self.chunk)
+        return 2 * (n - 1) * (cols + rows_per_rank * HEADER_BYTES)     # all-to-all, then all-gather
 
 
-def _minmax_uint8(tensor, group):
+def _share(numel, n, chunk):
+    """Each rank's share of a bucket of ``numel`` values (padded to whole chunks), and how many
+    code rows (min/max pairs) it has."""
+    cols = -(-numel // n)
+    per_row = chunk or cols
+    rows = -(-cols // per_row)
+    return rows * per_row, rows
+
+
+def _minmax_uint8(tensor, group, chunk=None):
     """Bagua's ByteGrad scheme: scatter 8-bit chunks, average each at its owner, gather them back.
+    Each rank's share is coded in rows of ``chunk`` values (one row without), each with its own
+    min and max; one all-to-all and one all-gather whatever the number of rows.
 
     The bucket itself is the float scratch space: its gradients are spent once encoded.
     """
     n = dist.get_world_size(group)
     numel = tensor.numel()
-    cols = -(-numel // n)
+    cols, k = _share(numel, n, chunk)
     if cols * n == numel:
-        rows = tensor.view(n, cols)
+        rows = tensor.view(n * k, cols // k)
     else:
-        rows = tensor.new_empty(n, cols)
+        rows = tensor.new_empty(n * k, cols // k)
         rows.view(-1)[:numel] = tensor
         rows.view(-1)[numel:] = tensor[-1]     # padding that widens no chunk's range
     send = quantize_rows_(rows)
     recv = torch.empty_like(send)
     yield dist.all_to_all_single(recv, send, group=group, async_op=True)
-    mine = quantize_rows_(dequantize_rows(recv, out=rows).sum(0, keepdim=True))
+    decoded = dequantize_rows(recv, out=rows).view(n, cols)
+    mine = quantize_rows_(decoded.sum(0).view(k, cols // k))
     gathered = torch.empty_like(send)
     yield all_gather_into(gathered, mine, group=group, async_op=True)
     dequantize_rows(gathered, out=rows)

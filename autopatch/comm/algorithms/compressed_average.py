@@ -2,8 +2,9 @@
 
 The tensors are packed into one flat buffer per dtype, cut into buckets of ``bucket_elements``,
 and every bucket goes through ``collectives.Averager``: for ``minmax_uint8`` that is ByteGrad's
-scatter-gather, whose min and max are per rank's share of a bucket, so the bucket size bounds
-how many values share one code step.
+scatter-gather, with a min and max per ``chunk`` values (``chunk_codes.DEFAULT_CHUNK``), so few
+values share one code step however large the buckets. Buckets are large: every bucket costs two
+collectives, whose latency, not their bytes, dominated with small ones on a fast link.
 """
 
 import torch.distributed as dist
@@ -12,21 +13,22 @@ from ..collectives import Averager
 from ..compression import COMPRESSIONS
 from ..hierarchy import build_topology
 from .base import start
+from .chunk_codes import DEFAULT_CHUNK
 from .flat import FlatTensors
 
-DEFAULT_BUCKET_ELEMENTS = 2**18
+DEFAULT_BUCKET_ELEMENTS = 2**24
 
 
 class CompressedAverage:
     def __init__(self, group, device, waiter, *, compression="minmax_uint8", hierarchical=False,
-                 bucket_elements=DEFAULT_BUCKET_ELEMENTS):
+                 bucket_elements=DEFAULT_BUCKET_ELEMENTS, chunk=DEFAULT_CHUNK):
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown compression {compression!r}; expected one of {', '.join(COMPRESSIONS)}")
         if hierarchical and dist.get_world_size(group) != dist.get_world_size():
             raise ValueError("hierarchical=True groups ranks by node across the whole world, so the "
                              "process group must be the world")
         self.world = dist.get_world_size(group)
-        self.averager = Averager(group, compression, build_topology(device) if hierarchical else None)
+        self.averager = Averager(group, compression, build_topology(device) if hierarchical else None, chunk)
         self.waiter = waiter
         self.bucket_elements = bucket_elements
         self.bytes_sent = 0
