@@ -27,6 +27,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -111,6 +112,7 @@ def shaped_network(world_size, rate, delay=None, *, timeout=10):
     Network. Everything made for it is gone again on the way out."""
     bits_per_second(rate)
     with ExitStack() as stack:
+        stack.enter_context(_sigterm_unwinds())
         if not delay:
             ns = stack.enter_context(namespace(timeout))
             _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", *tbf_arguments(rate), timeout=timeout)
@@ -124,6 +126,20 @@ def shaped_network(world_size, rate, delay=None, *, timeout=10):
             _ip(*inside, "link", "set", delay_line.DEVICE, "mtu", str(delay_line.MTU), "up", timeout=timeout)
         stack.enter_context(_forwarding(names, bits_per_second(rate), seconds(delay), timeout))
         yield Network(names, delay_line.address, delay_line.DEVICE)
+
+
+@contextmanager
+def _sigterm_unwinds():
+    """SIGTERM (``kill``, a timeout) raises SystemExit meanwhile, so the ``finally`` blocks that
+    delete the namespaces run when a benchmark is stopped, as they do on Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager
