@@ -15,6 +15,7 @@ figures are medians of per-round ratios:
 
     python benchmarks/bench_auto.py            # every part, 5 rounds
     python benchmarks/bench_auto.py --quick    # one round of smaller runs
+    python benchmarks/bench_auto.py --parts short --named   # and what each mode named gives
 """
 
 import argparse
@@ -108,9 +109,10 @@ def quickstart(rounds, steps, tmp):
             "loss_first_last": losses, "test_accuracy": accuracy}
 
 
-def timed_runs(name, steps, rounds, tmp, keep):
-    """auto against unpatched on ``name``; ``keep(seconds)`` picks the steps compared."""
-    got = {"auto": [], "unpatched": []}
+def timed_runs(name, steps, rounds, tmp, keep, named=()):
+    """auto (and the modes in ``named``, each named from the start) against unpatched on ``name``;
+    ``keep(seconds)`` picks the steps compared."""
+    got = {"auto": [], "unpatched": [], **{mode: [] for mode in named}}
     decided = []
     for r, c in turns(list(got), rounds):
         out = tmp / f"{name}-{r}-{c}.out"
@@ -120,7 +122,8 @@ def timed_runs(name, steps, rounds, tmp, keep):
         if c == "auto":
             decided.append(rec["auto"].get("decided_at_step"))
     return {"ratios": [a / u for a, u in zip(got["auto"], got["unpatched"])], "decided_at_step": decided,
-            "unpatched_s": statistics.median(got["unpatched"])}
+            "unpatched_s": statistics.median(got["unpatched"]),
+            "named": {mode: [m / u for m, u in zip(got[mode], got["unpatched"])] for mode in named}}
 
 
 def fmt_ratios(values):
@@ -133,6 +136,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--parts", default="quickstart,short,matmul")
+    ap.add_argument("--named", action="store_true",
+                    help="short runs: also each fused mode named from the start, what auto's choice can give")
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=60, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -158,9 +163,11 @@ def main():
             print(json.dumps(q, indent=1))
         if "short" in parts:
             for name, title in (("wide_mlp", "8 x Linear(1024), AdamW"), ("many_small", "400 tensors, BertAdam")):
-                s = timed_runs(name, 60, rounds, tmp, keep=lambda sec: sec[len(sec) // 2:])
+                s = timed_runs(name, 60, rounds, tmp, keep=lambda sec: sec[len(sec) // 2:],
+                               named=FUSED if args.named else ())
+                named = "".join(f"; {mode} named {fmt_ratios(r)}" for mode, r in s["named"].items())
                 rows.append([f"60 steps, {title}: second half vs unpatched", fmt_ratios(s["ratios"]),
-                             f"<= {TARGETS[name]}", f"decided at steps {s['decided_at_step']}"])
+                             f"<= {TARGETS[name]}", f"decided at steps {s['decided_at_step']}{named}"])
         if "matmul" in parts:
             m = timed_runs("matmul", 100 if args.quick else 300, rounds, tmp, keep=lambda sec: sec)
             rows.append(["300 steps, one Linear(1024) at batch 512 (no mode faster): whole run vs unpatched",
