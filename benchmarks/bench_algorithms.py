@@ -24,7 +24,7 @@ same round, over DDP's whole training time. Elsewhere every contender trains ``-
 after its warm-up, for throughput only. Needs root (network namespaces, tc).
 
     python benchmarks/bench_algorithms.py                 # every link, 3 rounds
-    python benchmarks/bench_algorithms.py --quick         # 1 Gbit/s, 1 round, a shorter training
+    python benchmarks/bench_algorithms.py --quick         # 1 Gbit/s, 1 round (~10 min)
 """
 
 import argparse
