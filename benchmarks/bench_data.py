@@ -42,7 +42,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_context import autopatch_source, cpu_model, load_average, markdown  # noqa: E402
+from harness.machine import closing, load_average, summary  # noqa: E402
+from harness.report import markdown  # noqa: E402
 
 from autopatch.data import LoadBalancingDistributedSampler  # noqa: E402
 from autopatch.data.node_servers import node_server_urls  # noqa: E402
@@ -537,7 +538,8 @@ def main():
     ap.add_argument("parts", nargs="*", help=f"some of {', '.join(PARTS)} (default: all)")
     ap.add_argument("--quick", action="store_true", help="smoke-sized: one round, small volumes")
     args = ap.parse_args()
-    print(f"{cpu_model()}, {os.cpu_count()} cores, load average {load_average()}; {autopatch_source()}\n")
+    started = time.perf_counter()
+    print(f"{summary()}\n")
     unknown = set(args.parts) - set(PARTS)
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}; choose from {list(PARTS)}")
@@ -545,6 +547,7 @@ def main():
         print(f"## {part}\n")
         PARTS[part](args)
         print(f"\n(load average after: {load_average()})\n")
+    print(closing(started))
 
 
 if __name__ == "__main__":
