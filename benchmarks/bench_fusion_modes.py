@@ -404,7 +404,9 @@ def main():
                     help="wall: perf_counter; cpu: the training thread's CPU time, which leaves out "
                          "time spent waiting for a core (one thread only)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
-    ap.add_argument("--plot", default=str(ROOT / "docs" / "fusion-modes.png"), help="PNG path ('' for none)")
+    ap.add_argument("--plot", default=None,
+                    help="PNG path ('' for none; default docs/fusion-modes.png, none with --quick, whose "
+                         "smoke-sized figures must not replace the documented ones); needs the bench extra")
     args = ap.parse_args()
     args.rounds = args.rounds or (2 if args.quick else 16)
     args.steps = args.steps or (1 if args.quick else 3)
@@ -452,6 +454,8 @@ def main():
               + "".join(f"; not {m}: {why}" for m, why in a["ruled_out"].items()))
     print("\nTargets:")
     print(targets(results))
+    if args.plot is None and not args.quick:
+        args.plot = str(ROOT / "docs" / "fusion-modes.png")
     if args.plot:
         plot(results, args.plot, args.clock)
         print(f"\nPlot: {args.plot}")
