@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -137,7 +138,13 @@ def run_phase(kind, path, n, size, what, procs=2, same_keys=False):
           for part in parts]
     for p in ps:
         p.start()
-    barrier.wait()
+    try:
+        barrier.wait(timeout=120)
+    except threading.BrokenBarrierError:      # a worker died before it was ready: say so, never hang
+        for p in ps:
+            p.kill()
+        raise RuntimeError(f"a {kind} worker did not get ready (exit codes {[p.exitcode for p in ps]}); "
+                           "its traceback is above") from None
     t0 = time.perf_counter()
     out = [results.get(timeout=600) for _ in ps]
     wall = time.perf_counter() - t0
