@@ -79,19 +79,20 @@ class Decentralized(Algorithm):
 
     def _exchange(self, flat, s):
         """Phases that turn ``flat`` into its average, in communication number ``s``."""
+        return self.stages.around(flat, lambda f: self._average(f, s))
+
+    def _average(self, flat, s):
+        """Phases of the average among the exchanging ranks."""
         st = self.stages
-        yield from st.node_average(flat)
-        if st.exchanging:
-            if self.mode == "all":
-                flat.mul_(1.0 / st.size)
-                yield dist.all_reduce(flat, group=st.group, async_op=True)
-            else:
-                peer = st.global_rank(shift_one_peer(st.rank, st.size, s))
-                theirs = torch.empty_like(flat)
-                yield dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, peer, st.group),
-                                              dist.P2POp(dist.irecv, theirs, peer, st.group)])
-                flat.add_(theirs).mul_(0.5)
-        yield from st.node_broadcast(flat)
+        if self.mode == "all":
+            flat.mul_(1.0 / st.size)
+            yield dist.all_reduce(flat, group=st.group, async_op=True)
+        else:
+            peer = st.global_rank(shift_one_peer(st.rank, st.size, s))
+            theirs = torch.empty_like(flat)
+            yield dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, peer, st.group),
+                                          dist.P2POp(dist.irecv, theirs, peer, st.group)])
+            flat.add_(theirs).mul_(0.5)
 
     def _bytes(self, nbytes):
         sent = self.stages.node_bytes(nbytes)

@@ -69,15 +69,15 @@ class LowPrecisionDecentralized(Algorithm):
 
     def _first_replicas(self, w):
         """Replicas start as the weights themselves, exchanged once at full precision."""
-        yield from self.stages.node_average(w)
-        if self.stages.exchanging:
-            mine = w.float().clone()
-            self.replica.append(mine)
-            theirs = {peer: torch.empty_like(mine) for peer in self.neighbours}
-            yield self._exchange(mine, theirs)
-            for peer, t in theirs.items():
-                self.neighbour_replicas[peer].append(t)
-        yield from self.stages.node_broadcast(w)
+        return self.stages.around(w, self._first_exchange)
+
+    def _first_exchange(self, w):
+        mine = w.float().clone()
+        self.replica.append(mine)
+        theirs = {peer: torch.empty_like(mine) for peer in self.neighbours}
+        yield self._exchange(mine, theirs)
+        for peer, t in theirs.items():
+            self.neighbour_replicas[peer].append(t)
 
     def after_step(self):
         communicate = self.steps % self.interval == 0
@@ -92,28 +92,28 @@ class LowPrecisionDecentralized(Algorithm):
 
     def _communicate(self, g, w):
         """Phases of one communication for dtype group ``g`` whose weights are ``w``."""
-        st = self.stages
-        yield from st.node_average(w)
-        if st.exchanging:
-            s = self.replica[g]
-            n = s.numel()
-            scratch = self._scratch(g, n)      # z, then each decoded code
-            z = scratch[:n]
-            z.copy_(w)
-            for peer, m in self.neighbours.items():
-                z.add_(self.neighbour_replicas[peer][g], alpha=m / 3)
-            z.add_(s, alpha=-5 / 3)
-            wire = encode(z, self.chunk, scratch)
-            received = {peer: torch.empty_like(wire) for peer in self.neighbours}
-            self.bytes_sent += wire.numel() * len(self.neighbours)
-            yield self._exchange(wire, received)
-            s.add_(decode(wire, n, scratch))
-            for peer, codes in received.items():
-                self.neighbour_replicas[peer][g].add_(decode(codes, n, scratch))
-            w.copy_(s)
-        if st.topology is not None:
-            self.bytes_sent += st.node_bytes(w.numel() * w.element_size())
-        yield from st.node_broadcast(w)
+        if self.stages.topology is not None:
+            self.bytes_sent += self.stages.node_bytes(w.numel() * w.element_size())
+        return self.stages.around(w, lambda weights: self._ring_step(g, weights))
+
+    def _ring_step(self, g, w):
+        """Phases of the ring exchange of group ``g``'s codes; ``w`` becomes its replica."""
+        s = self.replica[g]
+        n = s.numel()
+        scratch = self._scratch(g, n)      # z, then each decoded code
+        z = scratch[:n]
+        z.copy_(w)
+        for peer, m in self.neighbours.items():
+            z.add_(self.neighbour_replicas[peer][g], alpha=m / 3)
+        z.add_(s, alpha=-5 / 3)
+        wire = encode(z, self.chunk, scratch)
+        received = {peer: torch.empty_like(wire) for peer in self.neighbours}
+        self.bytes_sent += wire.numel() * len(self.neighbours)
+        yield self._exchange(wire, received)
+        s.add_(decode(wire, n, scratch))
+        for peer, codes in received.items():
+            self.neighbour_replicas[peer][g].add_(decode(codes, n, scratch))
+        w.copy_(s)
 
     def _scratch(self, g, n):
         """Group ``g``'s float32 working buffer, kept between communications (fresh model-sized

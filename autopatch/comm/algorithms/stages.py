@@ -36,6 +36,14 @@ class ExchangeStages:
     def global_rank(self, r):
         return dist.get_global_rank(self.group, r)
 
+    def around(self, flat, exchange):
+        """Phases of one exchange of ``flat``: the node's average onto its leader, then
+        ``exchange(flat)``'s phases where this rank exchanges, then the result back to the node."""
+        yield from self.node_average(flat)
+        if self.exchanging:
+            yield from exchange(flat)
+        yield from self.node_broadcast(flat)
+
     def node_average(self, flat):
         """Phases: the node's average onto its leader (nothing when flat or alone on its node)."""
         topo = self.topology
