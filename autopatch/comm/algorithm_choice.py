@@ -39,6 +39,7 @@ class AlgorithmChoice:
         self.source = source
         self.settings = {k: v for k, v in settings.items() if v is not None}
         self.explicit_hierarchical = settings.get("hierarchical")
+        self._nodes = None     # the world's node count, once some model needed it
 
     @classmethod
     def from_policy(cls, policy):
@@ -86,18 +87,25 @@ class AlgorithmChoice:
             raise PolicyError(f"{self.source}: key 'algorithm.hierarchical': true groups ranks by node "
                               "across the whole world, but this DDP model's process group is smaller")
         if flag is None:
-            return spans_world and node_count(device) > 1
+            return spans_world and self._node_count(device) > 1
         return bool(flag)
 
     def _check_pairs(self, hierarchical, group, device):
         """shift_one pairs ranks (or, hierarchically, nodes): an odd number of them cannot pair."""
         from .algorithms.peers import check_even
-        n = node_count(device) if hierarchical else dist.get_world_size(group)
+        n = self._node_count(device) if hierarchical else dist.get_world_size(group)
         try:
             check_even(n, hierarchical)
         except ValueError as e:
             key = "algorithm.hierarchical" if hierarchical else "algorithm.peer_selection_mode"
             raise PolicyError(f"{self.source}: key '{key}': {e}") from None
+
+    def _node_count(self, device):
+        """Counted once: each model's build asked up to three times, a collective each. Every rank
+        builds the same models in the same order, so every rank counts at the same call."""
+        if self._nodes is None:
+            self._nodes = node_count(device)
+        return self._nodes
 
     def describe(self):
         return {"name": self.name, **self.settings}

@@ -10,7 +10,7 @@ collectives, whose latency, not their bytes, dominated with small ones on a fast
 import torch.distributed as dist
 
 from ..collectives import Averager
-from ..compression import COMPRESSIONS
+from ..compression import checked
 from ..hierarchy import build_topology
 from .base import start
 from .chunk_codes import DEFAULT_CHUNK
@@ -22,13 +22,11 @@ DEFAULT_BUCKET_ELEMENTS = 2**24
 class CompressedAverage:
     def __init__(self, group, device, waiter, *, compression="minmax_uint8", hierarchical=False,
                  bucket_elements=DEFAULT_BUCKET_ELEMENTS, chunk=DEFAULT_CHUNK):
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"unknown compression {compression!r}; expected one of {', '.join(COMPRESSIONS)}")
         if hierarchical and dist.get_world_size(group) != dist.get_world_size():
             raise ValueError("hierarchical=True groups ranks by node across the whole world, so the "
                              "process group must be the world")
         self.world = dist.get_world_size(group)
-        self.averager = Averager(group, compression, build_topology(device) if hierarchical else None, chunk)
+        self.averager = Averager(group, checked(compression), build_topology(device) if hierarchical else None, chunk)
         self.waiter = waiter
         self.bucket_elements = bucket_elements
         self.bytes_sent = 0
