@@ -1,45 +1,11 @@
-"""Fixtures: an autopatch that is off again after each test, and real subprocesses of this Python."""
+"""Fixtures: an autopatch that is off again after each test, and the installed package's .pth line."""
 
 import os
-import subprocess
-import sys
-import sysconfig
-import textwrap
-from pathlib import Path
 
 import pytest
-import torch
 
 import autopatch
-
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-# What a test subprocess imports from: ``training`` and the benchmark harness it takes BertAdam from.
-IMPORT_PATH = os.pathsep.join([str(TESTS), str(ROOT / "benchmarks")])
-
-
-def clean_env(**extra):
-    """This environment without FUSEDOPT_* or launcher variables; ``training`` importable."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("FUSEDOPT_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = IMPORT_PATH
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def run_python(args, env=None, cwd=None, timeout=180, python=sys.executable):
-    """Run this interpreter (the one with the installed package) and capture its output."""
-    return subprocess.run([str(python), *map(str, args)], env=env if env is not None else clean_env(),
-                          cwd=cwd, capture_output=True, text=True, timeout=timeout)
-
-
-def write_script(path, text):
-    path.write_text(textwrap.dedent(text).lstrip())
-    return path
-
-
-def site_packages():
-    return Path(sysconfig.get_paths()["purelib"])
+from spawn import site_packages
 
 
 @pytest.fixture
@@ -59,26 +25,3 @@ def installed():
     pth = site_packages() / "autopatch.pth"
     assert pth.is_file(), f"{pth} is missing: install the package (pip install -e .) first"
     return pth
-
-
-def spawn_two_ranks(worker, suite, tmp_path_factory, timeout):
-    """Run ranks 0 and 1 of ``worker``'s ``suite`` on gloo over loopback; each rank saves its
-    results to ``rank{r}.pt``. Returns ({rank: results} for the ranks that saved, outputs,
-    return codes)."""
-    tmp = tmp_path_factory.mktemp(suite)
-    env = clean_env(OMP_NUM_THREADS=1, GLOO_SOCKET_IFNAME="lo")
-    procs = [subprocess.Popen([sys.executable, str(TESTS / worker), suite, str(rank),
-                               str(tmp / "init"), str(tmp / f"rank{rank}.pt")],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results = {r: torch.load(tmp / f"rank{r}.pt", weights_only=False)
-               for r in (0, 1) if (tmp / f"rank{r}.pt").exists()}
-    return results, outputs, [p.returncode for p in procs]

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from conftest import clean_env, run_python, write_script
+from spawn import clean_env, run_python, write_script
 
 HEAD = """
     import json, sys

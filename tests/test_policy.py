@@ -9,7 +9,7 @@ import torch
 
 from autopatch import env, policy, vocabulary
 from autopatch.policy import PolicyError
-from conftest import clean_env, run_python
+from spawn import clean_env, run_python
 
 REQUIRED = {"default", "safe", "multi_layer", "backward", "forward", "autotune", "distributed",
             *vocabulary.ALGORITHMS}

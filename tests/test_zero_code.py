@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IMPORT_PATH, ROOT, TESTS, clean_env, run_python, site_packages, write_script
+from spawn import IMPORT_PATH, ROOT, SUPPORT, clean_env, run_python, site_packages, write_script
 
 pytestmark = pytest.mark.usefixtures("installed")
 
@@ -59,7 +59,7 @@ def test_not_enabled_imports_nothing(value):
     assert res.stderr == ""
 
 
-@pytest.mark.parametrize("value", ["1", "true", " TRUE ", "True", "\t1\n"])
+@pytest.mark.parametrize("value", ["1", "true", " TRUE ", "True", "\t1\n", "yes", "On"])
 def test_enabled_imports_autopatch_but_not_torch(value):
     code = "import sys, autopatch; print('torch' in sys.modules, autopatch.is_enabled())"
     res = run_python(["-c", code], env=clean_env(FUSEDOPT_ENABLE=value))
@@ -67,21 +67,21 @@ def test_enabled_imports_autopatch_but_not_torch(value):
     assert res.stderr == ""
 
 
-@pytest.mark.parametrize("value", ["2", "yes", "on", "enable", "-1", "1.0", "t rue"])
+@pytest.mark.parametrize("value", ["2", "enable", "-1", "1.0", "t rue", "ture"])
 def test_a_value_not_understood_warns_once_and_stays_off(tmp_path, value):
     script = write_script(tmp_path / "first.py", FIRST)
     res = run_python([script], cwd=tmp_path, env=clean_env(FUSEDOPT_ENABLE=value))
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["first", "line", "False"]
-    assert res.stderr.splitlines() == [f"autopatch: FUSEDOPT_ENABLE={value!r} is not understood (use 1 "
-                                       "or true to enable, 0 or false not to); autopatch stays off"]
+    assert res.stderr.splitlines() == [f"autopatch: FUSEDOPT_ENABLE={value!r} is not understood (use 1, "
+                                       "true, yes or on to enable, 0, false, no or off not to); autopatch stays off"]
 
 
 def test_strict_makes_a_value_not_understood_fatal(tmp_path):
     script = write_script(tmp_path / "first.py", FIRST)
-    res = run_python([script], cwd=tmp_path, env=clean_env(FUSEDOPT_ENABLE="yes", FUSEDOPT_STRICT="1"))
+    res = run_python([script], cwd=tmp_path, env=clean_env(FUSEDOPT_ENABLE="ture", FUSEDOPT_STRICT="1"))
     assert res.returncode == 1 and res.stdout == ""
-    assert "FUSEDOPT_ENABLE='yes' is not understood" in res.stderr and "FUSEDOPT_STRICT=1" in res.stderr
+    assert "FUSEDOPT_ENABLE='ture' is not understood" in res.stderr and "FUSEDOPT_STRICT=1" in res.stderr
 
 
 @pytest.mark.parametrize("value", ["1", "yes"])
@@ -201,7 +201,7 @@ def test_enable_bagua_net_sets_nccls_socket_transport_and_says_so(tmp_path):
 
 def test_launcher_module_form_and_bad_policy(tmp_path):
     (tmp_path / "jobmod.py").write_text("import sys, autopatch\nprint(sys.argv[1:], __name__, autopatch.is_enabled())\n")
-    env = clean_env(PYTHONPATH=f"{tmp_path}:{TESTS}")
+    env = clean_env(PYTHONPATH=f"{tmp_path}:{SUPPORT}")
     res = run_python(["-m", "autopatch", "run", "-m", "jobmod", "a", "--b"], env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "['a', '--b'] __main__ True"

@@ -8,6 +8,6 @@
 - states, adoption: same training result?, one optimizer under autopatch alone;
 - workloads, optimizers, memory: models and batches, BertAdam, peak resident memory.
 
-Nothing is imported here, so ``tests/training.py`` can take ``BertAdam`` without pulling in
+Nothing is imported here, so ``tests/support/training.py`` can take ``BertAdam`` without pulling in
 autopatch or the launchers.
 """

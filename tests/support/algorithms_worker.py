@@ -19,6 +19,7 @@ from torch import nn
 
 from autopatch.comm.algorithms import (AsyncModelAverage, Decentralized, LowPrecisionDecentralized,
                                        QAdam, QAdamOptimizer)
+from autopatch import topology
 from autopatch.comm.allreduce import BucketedAllreduce
 
 SUITE, RANK, WORLD, INIT_FILE, OUT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
@@ -166,6 +167,7 @@ def bad_inputs():
         except ValueError as e:
             errors["odd"] = str(e)
     os.environ["LOCAL_WORLD_SIZE"] = str(WORLD)         # every rank on one node
+    topology.forget()
     try:
         Decentralized(small_mlp().parameters(), dist.group.WORLD, peer_selection_mode="shift_one",
                       hierarchical=True)
@@ -180,7 +182,7 @@ def low_precision(interval, steps=5, hierarchical=False):
     (on node leaders only, when hierarchical)."""
     model = small_mlp()
     alg = LowPrecisionDecentralized(model.parameters(), dist.group.WORLD, communication_interval=interval,
-                                    chunk_elements=32, hierarchical=hierarchical)
+                                    row_elements=32, hierarchical=hierarchical)
     if not alg.replica:
         driven = Driven(model, alg)
         train(driven, torch.optim.SGD(model.parameters(), lr=0.1), steps)
@@ -398,6 +400,7 @@ def main():
                 res[f"{mode}_{k}"] = decentralized(mode, k)
                 res[f"{mode}_{k}_reference"] = decentralized_reference(mode, k)
         os.environ["LOCAL_WORLD_SIZE"] = "2"           # two nodes of two ranks
+        topology.forget()
         for mode in ("all", "shift_one"):
             res[f"hierarchical_{mode}"] = decentralized(mode, 3, steps=4, hierarchical=True)
         res["hierarchical_low_precision"] = low_precision(1, hierarchical=True)

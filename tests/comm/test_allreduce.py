@@ -14,7 +14,7 @@ import torch
 
 from autopatch.comm.compression import error_bound
 from autopatch.fusion.chunking import BACKWARD_WINDOW
-from conftest import clean_env, run_python, spawn_two_ranks, write_script
+from spawn import clean_env, run_python, spawn_two_ranks, write_script
 
 SPAWN_TIMEOUT = 150
 
@@ -347,8 +347,8 @@ def test_zero_code_under_torchrun(tmp_path, installed):
 def test_disable_restores_the_ddp_class(ap):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from autopatch.comm.takeover import HANDED_BACK_BY
-    names = ["__init__", "forward", *HANDED_BACK_BY]
+    from autopatch.torch_internals import DDP_HANDING_BACK
+    names = ["__init__", "forward", *DDP_HANDING_BACK]
     before = {name: vars(DDP)[name] for name in names}
     ap.enable(allreduce={"enabled": True})
     assert all(vars(DDP)[name] is not before[name] for name in names)

@@ -10,7 +10,7 @@ between patched and unpatched runs either way.
 import pytest
 import torch
 
-from conftest import spawn_two_ranks
+from spawn import spawn_two_ranks
 
 SPAWN_TIMEOUT = 240
 FSDP2_PARAMS = 26      # 7 Linears x (weight, bias) + 6 LayerNorms x (weight, bias)

@@ -13,7 +13,7 @@ from torch.optim.lr_scheduler import StepLR
 
 import autopatch
 from autopatch.reporting import json_report as telemetry
-from conftest import run_python
+from spawn import run_python
 from training import assert_same, assert_state_equal, batches, mlp, train, weights
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")

@@ -12,9 +12,10 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from autopatch.data import LoadBalancingDistributedSampler
-from autopatch.data.patches import DataPatches, cache_backend
+from autopatch.data.patches import DataPatches
+from autopatch.policy import cache_backend
 from autopatch.patching import Ledger
-from conftest import clean_env, run_python, spawn_two_ranks, write_script
+from spawn import clean_env, run_python, spawn_two_ranks, write_script
 from data_fixtures import Features, NumpyAugmented, PythonAugmented, Stream, TorchAugmented
 
 

@@ -12,7 +12,7 @@ from torch.nn.utils import clip_grad_norm_
 from torch.optim import Optimizer
 
 from autopatch.contrib import LEFT_TO_FUSE_STEP, fuse_optimizer, fuse_step, is_fused_optimizer
-from conftest import run_python
+from spawn import run_python
 from training import assert_same, assert_state_equal, batches, clone, mlp, train, weights
 
 

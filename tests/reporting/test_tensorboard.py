@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from conftest import ROOT, clean_env, run_python
+from spawn import ROOT, clean_env, run_python
 from test_autotune import FAST_YAML
 
 pytest.importorskip("bayes_opt")

@@ -10,7 +10,7 @@ import torch
 
 from autopatch.comm.algorithms import ALGORITHMS, build
 from autopatch.comm.algorithms.peers import check_even, ring_neighbours, shift_one_pairs, shift_one_peer
-from conftest import TESTS, clean_env
+from spawn import SUPPORT, clean_env
 
 # The schedules of the shift-one pairing, as specified for 4 and 8 ranks.
 SHIFT_ONE = {
@@ -26,7 +26,7 @@ def run_ranks(suite, world, tmp_path, timeout):
     env = clean_env(OMP_NUM_THREADS=1, GLOO_SOCKET_IFNAME="lo")
 
     def rank(r):
-        return subprocess.run([sys.executable, str(TESTS / "algorithms_worker.py"), suite, str(r), str(world),
+        return subprocess.run([sys.executable, str(SUPPORT / "algorithms_worker.py"), suite, str(r), str(world),
                                str(tmp_path / "init"), str(tmp_path / f"rank{r}.pt")],
                               env=env, capture_output=True, text=True, timeout=timeout)
     with ThreadPoolExecutor(world) as pool:

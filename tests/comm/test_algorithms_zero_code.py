@@ -8,10 +8,10 @@ FUSEDOPT_ENABLE=1 (the baseline DDP run is in the same job)."""
 import statistics
 
 from autopatch import policy as policies
-from conftest import IMPORT_PATH, TESTS
+from spawn import IMPORT_PATH, SUPPORT
 from harness.launch import failed, run_ranks
 
-SCRIPT = TESTS / "zero_code_digits.py"
+SCRIPT = SUPPORT / "zero_code_digits.py"
 
 
 def zero_code(tmp_path, world=4, policy=None, yaml=None, timeout=150, **env):
@@ -133,7 +133,7 @@ def test_odd_rank_count_for_shift_one_is_a_policy_error(tmp_path):
 def test_with_bagua_runs_each_algorithm_by_bagua_names(tmp_path):
     """Bagua's classes with Bagua's defaults (hierarchical=True for most) through with_bagua, on a
     script that never enables autopatch itself; async's abort() and resume() twice in a row."""
-    ranks = run_ranks([TESTS / "with_bagua_worker.py"], 2, timeout=120, env={"PYTHONPATH": IMPORT_PATH})
+    ranks = run_ranks([SUPPORT / "with_bagua_worker.py"], 2, timeout=120, env={"PYTHONPATH": IMPORT_PATH})
     assert failed(ranks) is None, failed(ranks)
     for r in (rank.results for rank in ranks):
         assert "fuse_optimizer" in r.pop("fused_refused")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, run_python, write_script
+from spawn import ROOT, clean_env, run_python, write_script
 from training import assert_same, batches, mlp, train, weights
 
 pytest.importorskip("bayes_opt")

@@ -18,8 +18,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import autopatch
-from autopatch.comm.allreduce import CommunicationError
+from autopatch import topology
 from autopatch.comm.layout_check import LayoutMismatch
+from autopatch.comm.waiting import CommunicationError
 from memory import TensorMemory
 
 WIDTH = 32
@@ -172,6 +173,7 @@ def equivalence():
 
     for nodes, group_rank, local in (("2x1", RANK, 1), ("1x2", 0, 2)):   # as torchrun would set them
         os.environ.update(GROUP_RANK=str(group_rank), LOCAL_WORLD_SIZE=str(local))
+        topology.forget()
         res[f"hierarchical_{nodes}"] = job(on(hierarchical=True, bucket_bytes=8192))
         res[f"hierarchical_{nodes}_fp16"] = job(on(hierarchical=True, compression="fp16"))
 
