@@ -11,7 +11,7 @@ launch, raising ``LayoutMismatch`` on every rank alike.
 import torch
 
 from ..vocabulary import COMPRESSIONS
-from .collectives import all_gather_into
+from ..torch_internals import all_gather_into
 
 
 class LayoutMismatch(RuntimeError):

@@ -20,7 +20,7 @@ from ..fusion.chunking import default_chunk_bytes
 from ..fusion.multi_layer import MultiLayerStep
 from ..fusion.param_swap import then
 from ..fusion.planner import FlatPlanner
-from ..fusion.probe import probe
+from ..fusion.fusability import probe
 
 LEFT_TO_FUSE_STEP = "fused by its own fuse_step() (autopatch.contrib.fuse_optimizer); the runtime leaves it alone"
 

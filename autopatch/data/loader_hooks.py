@@ -1,6 +1,6 @@
 """What happens when a DataLoader is built, or iterated, while the data patches are installed.
 
-``DataLoader(dataset, ...)``: a map-style dataset is probed once (``probe.py``) and either served
+``DataLoader(dataset, ...)``: a map-style dataset is probed once (``cacheability.py``) and either served
 through a ``CachedDataset`` behind a transparent proxy or left as it is, with the reason. Its
 cache name is the settings' name (or the class name) and the dataset's signature, so two
 datasets of one class keep separate entries and a changed dataset starts afresh. The cache must
@@ -31,7 +31,7 @@ from .cache_loader import CacheLoader
 from .cached_dataset import CachedDataset
 from .complexity import complexity_function
 from .following_sampler import FollowingSampler
-from .probe import probe
+from .cacheability import probe
 from .signature import encoded_samples
 from .step_balance import distributed_sampler_indices, spread_summary, step_spreads
 from .transparent_dataset import TransparentCachedDataset, bypass

@@ -6,8 +6,8 @@ anything. Parameters whose memory overlaps another's never count: moving or step
 would split an alias.
 """
 
-from .eligibility import foreign_memory, unfusable_param
-from .flat import state_signature
+from .flattenable import foreign_memory, unfusable_param
+from .flat_run import state_signature
 
 
 def runs_in_place(opt):

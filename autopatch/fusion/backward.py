@@ -32,7 +32,7 @@ import torch
 from .chunking import BACKWARD_WINDOW
 from .param_swap import ParamSwap
 from .planner import FlatPlanner
-from .rounding import Route
+from .routes import Route
 from .strategy import Strategy
 
 
@@ -48,7 +48,7 @@ class BackwardFusion(Strategy):
         # step() updates what backward did not (the caller then leaves this mode).
         self.strict = strict
         self.unsafe = None
-        self.route = route or Route(optimizer)     # how a chunk is stepped (rounding.py)
+        self.route = route or Route(optimizer)     # how a chunk is stepped (routes.py)
         self.planner = FlatPlanner(optimizer, min(int(chunk_bytes), BACKWARD_WINDOW), align=True,
                                    owned_storages=owned_storages)
         self.averaged_by = averaged_by
@@ -206,6 +206,9 @@ class BackwardFusion(Strategy):
         self.planner.set_chunk_bytes(min(int(chunk_bytes), BACKWARD_WINDOW))
         if self.armed:          # an inactive mode keeps no hooks: it re-plans when activated
             self.invalidate()
+
+    def chunk_bytes_in_use(self):
+        return self.planner.chunk_bytes_in_use
 
     def describe(self):
         return dict(self.planner.layout(), chunk_updates_in_backward=self.in_backward,

@@ -17,6 +17,8 @@ import weakref
 
 import torch
 
+from ..torch_internals import foreach_copy_, view_base
+
 
 class ChunkGrads:
     def __init__(self, run, keep_grads=False):
@@ -70,7 +72,7 @@ class ChunkGrads:
                 continue
             i0, i1 = self.run.chunk_spans[ci]
             with torch.no_grad():
-                torch._foreach_copy_(self._kept[1][ci], [p.grad for p in self.run.params[i0:i1]])
+                foreach_copy_(self._kept[1][ci], [p.grad for p in self.run.params[i0:i1]])
             s, e = self.run.chunk_bounds[ci]
             self.run.chunks[ci].grad = self._kept[0][s:e]
 
@@ -86,7 +88,7 @@ class ChunkGrads:
             cached = self._scratch[ci] = (scratch, scratch[:e - s], self._views_of(scratch, ci))
         i0, i1 = self.run.chunk_spans[ci]
         with torch.no_grad():
-            torch._foreach_copy_(cached[2], [p.grad for p in self.run.params[i0:i1]])
+            foreach_copy_(cached[2], [p.grad for p in self.run.params[i0:i1]])
         self.run.chunks[ci].grad = cached[1]
 
     def _bind_direct(self, ci):
@@ -110,7 +112,7 @@ class ChunkGrads:
         params = self.run.params[i0:i1]
         held = self._moved.get(ci)
         buf = held() if held is not None else None
-        if buf is not None and all(p.grad is not None and p.grad._base is buf
+        if buf is not None and all(p.grad is not None and view_base(p.grad) is buf
                                    and p.grad.storage_offset() == offset
                                    for p, (_, _, offset) in zip(params, self._layout[ci])):
             return buf
@@ -119,7 +121,7 @@ class ChunkGrads:
         buf = torch.empty(e - s, dtype=grads[0].dtype, device=grads[0].device)
         views = self._views_of(buf, ci)
         with torch.no_grad():
-            torch._foreach_copy_(views, grads)
+            foreach_copy_(views, grads)
         del grads
         for p, v in zip(params, views):
             p.grad = v

@@ -8,14 +8,6 @@ per chunk; every other param group is emptied for the call, so nothing else move
 from .param_swap import ParamSwap
 
 
-def raw_step_of(opt):
-    """The class's step function under torch's hook wrapper, or None when it is not wrapped."""
-    step = type(opt).step
-    if getattr(step, "hooked", False):
-        return getattr(step, "__wrapped__", None)
-    return None
-
-
 def step_chunks(opt, raw_step, items, hparams=None):
     """Run ``raw_step`` over ``items`` = [(group_index, chunk, chunk_state)]; a chunk may also be
     a parameter of the optimizer, stepped with its own state.

@@ -8,9 +8,9 @@ back; and reading a storage that was freed or shrunk crashes the process instead
 Every check here reads only type, flags and sizes, never the values, so it is safe on all of them.
 """
 
-import sys
-
 import torch
+
+from ..torch_internals import fsdp1_flat, is_dtensor
 
 
 def unfusable_param(p):
@@ -32,10 +32,9 @@ def foreign_memory(p):
         return "DTensor (FSDP2 or tensor parallel): its storage belongs to its local shard"
     if type(p) not in (torch.nn.Parameter, torch.Tensor):
         return f"tensor subclass {type(p).__name__}"
-    if getattr(p, "_is_flat_param", False):
-        return "FSDP1 FlatParameter: FSDP swaps its data at every forward"
-    if getattr(p, "_fsdp_flattened", False):
-        return "FSDP1 use_orig_params view: FSDP re-points it at every forward"
+    fsdp = fsdp1_flat(p)
+    if fsdp:
+        return fsdp
     if p.is_meta:
         return "meta tensor (no data yet)"
     try:
@@ -52,20 +51,6 @@ def _extent(p):
     if p.numel() == 0:
         return 0
     return 1 + sum((n - 1) * s for n, s in zip(p.shape, p.stride()))
-
-
-_dtensor = []     # the DTensor class, once a program has imported it
-
-
-def is_dtensor(t):
-    """True for a DTensor. A program holding one has imported torch.distributed.tensor already,
-    so a program without one never pays for that import."""
-    if not _dtensor:
-        cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-        if cls is None:
-            return False
-        _dtensor.append(cls)
-    return isinstance(t, _dtensor[0])
 
 
 def holds_dtensors(opt):

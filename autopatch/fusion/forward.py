@@ -18,18 +18,19 @@ tensor's version counter and is an error, never a silently different result.
 """
 
 
+from ..torch_internals import own_parameters, version_counter
 from .chunk_step import hyperparameters
 from .multi_layer import split_by_grads
 from .param_swap import ParamSwap
 from .planner import FlatPlanner
-from .rounding import Route
+from .routes import Route
 from .strategy import PlannedStrategy
 
 
 class ForwardFusion(PlannedStrategy):
     def __init__(self, optimizer, chunk_bytes, owned_storages=None, route=None):
         self.opt = optimizer
-        self.route = route or Route(optimizer)     # how a chunk is stepped (rounding.py)
+        self.route = route or Route(optimizer)     # how a chunk is stepped (routes.py)
         self.planner = FlatPlanner(optimizer, chunk_bytes, align=True, owned_storages=owned_storages)
         self.pending = {}      # (id(run), ci) -> (group index, run, ci, version of its grad)
         self.by_param = {}     # id(param) -> (id(run), ci) while its chunk is pending
@@ -59,7 +60,7 @@ class ForwardFusion(PlannedStrategy):
                 run.grads.bind(range(len(run.chunks)))
                 for ci, (i0, i1) in enumerate(run.chunk_spans):
                     key = (id(run), ci)
-                    self.pending[key] = (gi, run, ci, run.chunks[ci].grad._version)
+                    self.pending[key] = (gi, run, ci, version_counter(run.chunks[ci].grad))
                     for p in run.params[i0:i1]:
                         self.by_param[id(p)] = key
             self.lists.put(group, now + plan.rest)
@@ -72,7 +73,7 @@ class ForwardFusion(PlannedStrategy):
 
     def apply_for(self, module):
         """Module forward pre-hook: apply the pending chunks holding this module's parameters."""
-        keys = {self.by_param.get(id(p)) for p in module._parameters.values() if p is not None}
+        keys = {self.by_param.get(id(p)) for p in own_parameters(module)}
         keys.discard(None)
         if keys:
             self._apply(keys)
@@ -86,7 +87,7 @@ class ForwardFusion(PlannedStrategy):
     def _apply(self, keys):
         items = [self.pending.pop(k) for k in keys]
         for _, run, ci, version in items:
-            if run.chunks[ci].grad._version != version:
+            if version_counter(run.chunks[ci].grad) != version:
                 raise RuntimeError(
                     f"autopatch mode 'forward': {type(self.opt).__qualname__}: a gradient was "
                     "changed in place after optimizer.step() and before its deferred update ran; "

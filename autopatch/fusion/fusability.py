@@ -6,7 +6,7 @@ factored state (Adafactor) or matrix updates (Shampoo, Muon) are caught before t
 user's model. Results are cached per class, hyperparameters, dtype and device.
 
 Under ``fusion.exact: rounding`` it also measures a rounding route (fused kernel, compiled; see
-rounding.py) against per-tensor steps: the largest deviation of any weight or state tensor,
+routes.py) against per-tensor steps: the largest deviation of any weight or state tensor,
 relative to that tensor's largest magnitude, must stay within the route's bound per step.
 """
 
@@ -15,7 +15,8 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
-from .chunk_step import raw_step_of, step_chunks
+from ..torch_internals import hook_dicts, unhooked_step
+from .chunk_step import step_chunks
 from .multi_layer import MultiLayerStep
 from .planner import FlatPlanner
 from .strategy import NotFusable
@@ -23,9 +24,6 @@ from .strategy import NotFusable
 SHAPES = [(7, 5), (13,), (3, 4, 5), (1,), (33, 2), (4, 4)]
 STEPS = 3
 ROUTE_STEPS = 4        # a chunk's first step runs bitwise: three through the route
-_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-               "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-               "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
 _cache = {}
 
 
@@ -45,9 +43,8 @@ def _clone(opt, group, params):
         memo[id(g["params"])] = []
         for p in g["params"]:
             memo[id(p)] = torch.empty(0)
-    for name in _HOOK_DICTS:
-        if hasattr(opt, name):
-            memo[id(getattr(opt, name))] = OrderedDict()
+    for hooks in hook_dicts(opt):
+        memo[id(hooks)] = OrderedDict()
     # Per-instance callables (an LR scheduler's wrapper around ``opt.step``) point back at the
     # user's optimizer: the copy must use its class's methods instead.
     attrs = {k: v for k, v in vars(opt).items() if not callable(v)}
@@ -65,7 +62,7 @@ def _run(opt, params, grads, how, route=None):
     in one step() ("fused", through ``route`` when given), or one chunk per call of the unwrapped
     step ("split")."""
     chunk_bytes = 48 * params[0].element_size()
-    raw = raw_step_of(opt)
+    raw = unhooked_step(opt)
     if how == "split" and raw is None:
         raise NotFusable("its step() is not wrapped by torch's Optimizer hooks")
     fused = MultiLayerStep(opt, chunk_bytes, route=route) if how == "fused" else None

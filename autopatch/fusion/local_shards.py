@@ -28,26 +28,22 @@ foreach kernels refuse a list mixing both); the report counts why a group stayed
 
 What is known about a parameter is kept between steps and checked again only when something
 changed (its shard object, its placements, the objects in its state), so the swap costs a few
-microseconds per parameter; the local tensor is read as ``_local_tensor``, which is what
-``to_local()`` returns under ``no_grad`` (torch 2.13 wraps it in a fresh view for Parameters).
+microseconds per parameter; the local tensor is read without the fresh view that ``to_local()``
+makes for Parameters (torch_internals.local_tensor).
 """
 
 import weakref
 
 import torch
 
-from .eligibility import is_dtensor
+from ..torch_internals import dtensor_like, is_dtensor
+from ..torch_internals import local_tensor as _local
 from .param_swap import ParamSwap, fuse_when_grads_exist
 from .strategy import NotFusable, Strategy
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _MISSING = object()
 _NEEDS_A_FIRST_STEP = "its first step runs on the DTensor, so the optimizer creates its state as unpatched"
-
-
-def _local(t):
-    local = getattr(t, "_local_tensor", None)
-    return t.to_local() if local is None else local
 
 
 class _Shard:
@@ -208,11 +204,11 @@ class LocalShardStep(Strategy):
                 continue                # updated in place, as nearly every optimizer does
             old = mine.get(key)
             if isinstance(v, torch.Tensor) and is_dtensor(old) and v.shape == _local(old).shape:
-                v = _dtensor_like(v, old)
+                v = dtensor_like(v, old)
             elif isinstance(v, torch.Tensor) and v.dim() > 0:
                 if v.shape != local.shape:
                     return f"state '{key}' is not elementwise (shape differs from the local shard)"
-                v = _dtensor_like(v, p)
+                v = dtensor_like(v, p)
             mine[key] = v
         return None
 
@@ -231,6 +227,9 @@ class LocalShardStep(Strategy):
     def set_chunk_bytes(self, chunk_bytes):
         self.chunk_bytes = int(chunk_bytes)
 
+    def chunk_bytes_in_use(self):
+        return self.chunk_bytes
+
     def describe(self):
         return {
             "layout": "local_shards",
@@ -242,10 +241,3 @@ class LocalShardStep(Strategy):
             "dtensor_group_steps": self.dtensor_group_steps,
         }
 
-
-def _dtensor_like(local, ref):
-    """A DTensor over ``local`` with ``ref``'s mesh, placements, shape and stride: what
-    ``torch.zeros_like(ref)`` and the ops on it give unpatched."""
-    from torch.distributed.tensor import DTensor
-    return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
-                              shape=ref.shape, stride=ref.stride())

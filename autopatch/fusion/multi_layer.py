@@ -6,7 +6,7 @@ swapped back, so outside ``step()`` the optimizer looks exactly as unpatched: sa
 per-parameter state (views into the flat state), same ``state_dict()``.
 """
 
-from .eligibility import unfusable_param
+from .flattenable import unfusable_param
 from .param_swap import ParamSwap, fuse_when_grads_exist
 from .planner import FlatPlanner
 from .strategy import NotFusable, PlannedStrategy
@@ -33,7 +33,7 @@ class MultiLayerStep(PlannedStrategy):
 
     def __init__(self, optimizer, chunk_bytes, owned_storages=None, route=None, planner=None):
         self.opt = optimizer
-        # route (rounding.py): a rounding route steps the chunks itself; None or bitwise: the
+        # route (routes.py): a rounding route steps the chunks itself; None or bitwise: the
         # user's step() steps them
         self.route = route
         self.planner = planner or FlatPlanner(optimizer, chunk_bytes, owned_storages=owned_storages)

@@ -16,8 +16,8 @@ lie; ``moves_params=False`` fuses only such runs and never moves a parameter
 
 from .back_to_back import runs_in_place
 from .chunking import bounded_chunk_bytes, smallest_share
-from .eligibility import unfusable_param
-from .flat import FlatRun, state_signature
+from .flattenable import unfusable_param
+from .flat_run import FlatRun, state_signature
 
 
 class GroupPlan:
@@ -50,6 +50,11 @@ class FlatPlanner:
     def set_chunk_bytes(self, chunk_bytes):
         self.chunk_bytes = int(chunk_bytes)
         self.stale = True
+
+    @property
+    def chunk_bytes_in_use(self):
+        """The chunk size of the current plan (after the memory bound), else the one asked for."""
+        return self.chunk_bytes_used or self.chunk_bytes
 
     def mark_stale(self):
         """The optimizer's params or state changed from outside: plan again before the next use."""

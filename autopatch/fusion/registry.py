@@ -7,7 +7,7 @@ optimizer gets the flat-buffer strategy of its mode.
 
 from ..vocabulary import BACKWARD, FORWARD, MULTI_LAYER
 from .backward import BackwardFusion
-from .eligibility import holds_dtensors
+from .flattenable import holds_dtensors
 from .forward import ForwardFusion
 from .local_shards import LocalShardStep
 from .multi_layer import MultiLayerStep
@@ -18,7 +18,7 @@ def build(mode, opt, chunk_bytes, *, owned_storages, route, averaged_by=None, st
 
     ``owned_storages``: the optimizer's flat buffers, shared by every mode it runs in, so the next
     mode adopts the params and state where the last one left them; ``route``: how chunks are
-    stepped (rounding.py); ``averaged_by``: across processes, what tells backward fusion that a
+    stepped (routes.py); ``averaged_by``: across processes, what tells backward fusion that a
     bucket's gradients are averaged; ``strict``: backward fusion raises on accumulation (the user
     named the mode) instead of stepping the rest unfused and saying why.
     """

@@ -20,10 +20,9 @@ import time
 import weakref
 
 import torch
-from torch._dynamo.utils import counters
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-from .chunk_step import raw_step_of, step_chunks
+from ..torch_internals import (compile_settings, dynamo_available, fused_kernel_devices, graphs_compiled,
+                               hit_recompile_limit, recompile_limit, traceable, unhooked_step)
+from .chunk_step import step_chunks
 
 FUSED, COMPILED, BITWISE = "fused kernel", "compiled", "bitwise"
 FUSED_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
@@ -39,7 +38,7 @@ class Route:
     compile_seconds = 0.0     # spent compiling (the compiled route; the probe's share included)
 
     def __init__(self, opt, reason="fusion.exact: bitwise", max_deviation=None):
-        self.raw = raw_step_of(opt)
+        self.raw = unhooked_step(opt)
         self.reason = reason
         self.max_deviation = max_deviation
         self.deviation = None        # the probe's figure for this route, relative
@@ -104,7 +103,7 @@ class FusedKernelRoute(Route):
         definer = next(k for k in type(opt).__mro__ if "step" in vars(k))
         if definer not in FUSED_CLASSES:
             return f"torch has no fused kernel for {type(opt).__qualname__}"
-        devices = _get_fused_kernels_supported_devices()
+        devices = fused_kernel_devices()
         for group in opt.param_groups:
             for key in _FUSED_CONFLICTS:
                 if group.get(key):
@@ -160,9 +159,8 @@ def _stand_in_class(cls):
     for k in reversed(cls.__mro__):
         methods.update({n: v for n, v in vars(k).items() if not n.startswith("__")})
     # Dynamo hides torch's ``_init_group`` from tracing, as it handles an Optimizer's itself.
-    init_group = methods.get("_init_group")
-    if getattr(init_group, "_torchdynamo_disable", False):
-        methods["_init_group"] = inspect.unwrap(init_group)
+    if "_init_group" in methods:
+        methods["_init_group"] = traceable(methods["_init_group"])
     return type(f"{cls.__name__}StandIn", (), methods)
 
 
@@ -191,6 +189,9 @@ class CompiledRoute(Route):
     def refusal(cls, opt, compile_budget_seconds):
         if compile_budget_seconds <= 0:
             return "fusion.compile_budget_seconds is 0"
+        why = dynamo_available()
+        if why:
+            return why
         if any(g.get("differentiable") for g in opt.param_groups):
             return "a param group sets differentiable=True"
         return None
@@ -202,20 +203,19 @@ class CompiledRoute(Route):
         self.stand_in.__dict__.update(vars(opt))
         # Only the chunk's state: dynamo guards a dict's length and keys.
         self.stand_in.state = {p: opt.state[p] for g in opt.param_groups for p in g["params"]}
-        with torch.no_grad(), torch._dynamo.config.patch(force_parameter_static_shapes=False,
-                                                         fail_on_recompile_limit_hit=True):
+        with torch.no_grad(), compile_settings():
             self.fn(self.stand_in)
 
     def _step_ready(self, opt, items, hparams):
         for n, item in enumerate(items):
-            graphs, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
+            graphs, t0 = graphs_compiled(), time.perf_counter()
             try:
                 step_chunks(opt, self._call, [item], _tensor_lr(opt, item[0], hparams))
             except Exception as e:     # dynamo raises before the frame runs: nothing was updated
                 self._fall_back(compile_failure(e))
                 step_chunks(opt, self.raw, items[n:], hparams)
                 return
-            new = counters["stats"]["unique_graphs"] - graphs
+            new = graphs_compiled() - graphs
             if new:
                 self.graphs += new
                 self.compile_seconds += time.perf_counter() - t0
@@ -243,8 +243,8 @@ def _tensor_lr(opt, gi, hparams):
 
 def compile_failure(error):
     """One line for the report on why torch.compile is not used."""
-    if type(error).__name__ == "FailOnRecompileLimitHit":
-        limit = torch._dynamo.config.recompile_limit
+    if hit_recompile_limit(error):
+        limit = recompile_limit()
         return (f"torch.compile reached dynamo's recompile limit ({limit}, shared by every optimizer "
                 "of this class; a hyperparameter other than the learning rate that changes every "
                 "step needs a graph per value)")
@@ -256,9 +256,9 @@ def choose(opt, exact, max_deviation, compile_budget_seconds):
     finds within ``max_deviation`` (relative, per probe step) of per-tensor steps; else bitwise."""
     if exact != "rounding":
         return Route(opt)
-    if raw_step_of(opt) is None:
+    if unhooked_step(opt) is None:
         return Route(opt, "its step() is not wrapped by torch's Optimizer hooks", max_deviation)
-    from .probe import route_deviation
+    from .fusability import route_deviation
     tried = []
     for cls in (FusedKernelRoute, CompiledRoute):
         why = cls.refusal(opt, compile_budget_seconds)

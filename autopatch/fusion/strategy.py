@@ -37,6 +37,10 @@ class Strategy(Protocol):
     def describe(self):
         """The report's ``fusion`` entry: the plan's layout keys and this mode's counters."""
 
+    def chunk_bytes_in_use(self):
+        """The chunk size its steps use (after any cap and the memory bound), or None."""
+        return None
+
     # -- backward fusion: part of a step's update may run before step() ------------------------
     unsafe = None     # why fusion stopped inside this step (not strict): the caller leaves the mode
 
@@ -69,3 +73,6 @@ class PlannedStrategy(Strategy):
     def set_chunk_bytes(self, chunk_bytes):
         self.flush()
         self.planner.set_chunk_bytes(chunk_bytes)
+
+    def chunk_bytes_in_use(self):
+        return self.planner.chunk_bytes_in_use

@@ -1,10 +1,10 @@
 """What DTensor parameters (FSDP2, tensor parallel) rule out: which fusion modes may run them.
 
 The strategy that steps them (their plain local shards) is chosen in fusion/registry.py; what the
-report says of their collectives is in reporting/collectives.py.
+report says of their collectives is in reporting/sharded_params.py.
 """
 
-from ..fusion.eligibility import holds_dtensors
+from ..fusion.flattenable import holds_dtensors
 from ..vocabulary import BACKWARD, FORWARD
 
 BACKWARD_REFUSED = (

@@ -9,23 +9,20 @@ Every answer is a reason in words, for the report.
 """
 
 from .. import dist
-from ..fusion.chunk_step import raw_step_of
-from ..fusion.probe import probe
+from ..fusion.fusability import probe
 from ..policy import class_matches
+from ..torch_internals import unhooked_step
 from ..vocabulary import BACKWARD, MULTI_LAYER, OFF, WATCHED_MODES
-from . import sharded
+from . import dtensor_rules
 
 
 class Eligibility:
-    def __init__(self, qualname, fusion, averaged_by, algorithm_of):
-        """``fusion``: the policy's fusion section; ``averaged_by(params)``: what averages all of
-        ``params``' gradients across processes inside backward (autopatch's allreduce), or None;
-        ``algorithm_of(params)``: the communication algorithm exchanging their weights or
-        optimizer state (with ``name``, ``fusion_modes`` and ``fusion_refusal``), or None."""
+    def __init__(self, qualname, fusion, comm):
+        """``fusion``: the policy's fusion section; ``comm``: the communication side's view
+        (runtime/comm_view.py): who averages which gradients, which algorithm moves which weights."""
         self.qualname = qualname
         self.fusion = fusion
-        self._averaged_by = averaged_by
-        self._algorithm_of = algorithm_of
+        self.comm = comm
         self.fusable = False     # the probe accepted the class: its mode may change at run time
         self.bitwise = None      # the probe found fused steps bit for bit equal (None: not probed)
         self.watched = False     # the first steps were watched: ``blocked`` is known
@@ -33,11 +30,11 @@ class Eligibility:
 
     def check(self, opt, mode):
         """None when ``mode`` cannot change this optimizer's results, else the reason it might."""
-        if why := sharded.mode_refusal(opt, mode):
+        if why := dtensor_rules.mode_refusal(opt, mode):
             return why
         if why := self._algorithm_refusal(opt, mode):
             return why
-        if mode in WATCHED_MODES and raw_step_of(opt) is None:
+        if mode in WATCHED_MODES and unhooked_step(opt) is None:
             return "its step() is not wrapped by torch's Optimizer hooks"
         if mode == BACKWARD and dist.world_size() > 1 and self.averager(opt) is None:
             return (f"gradients are averaged across {dist.world_size()} processes, not all of them by "
@@ -50,12 +47,12 @@ class Eligibility:
             if not result.fusable:
                 return result.reason
             self.bitwise = result.bitwise if self.bitwise is None else self.bitwise and result.bitwise
-        return sharded.probe_refusal(opt, self.bitwise)
+        return dtensor_rules.probe_refusal(opt, self.bitwise)
 
     def _algorithm_refusal(self, opt, mode):
         """Gradient algorithms combine with every mode; those that exchange weights or optimizer
         state only with the modes they name."""
-        algorithm = self._algorithm_of([p for g in opt.param_groups for p in g["params"]])
+        algorithm = self.comm.algorithm_of([p for g in opt.param_groups for p in g["params"]])
         if algorithm is None or mode in algorithm.fusion_modes:
             return None
         return f"communication algorithm {algorithm.name}: {algorithm.fusion_refusal}"
@@ -76,7 +73,11 @@ class Eligibility:
     def averager(self, opt):
         """Across processes, backward fusion updates a chunk once autopatch's allreduce has
         averaged its gradients: the one averaging all of this optimizer's, or None."""
-        return self._averaged_by([p for g in opt.param_groups for p in g["params"] if p.requires_grad])
+        return self.comm.averager_of([p for g in opt.param_groups for p in g["params"] if p.requires_grad])
+
+    def accept(self):
+        """The probe accepted the class: its mode may change at run time."""
+        self.fusable = True
 
     def watched_run(self, observation):
         """The watch is over: rule out what it saw."""

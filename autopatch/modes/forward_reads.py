@@ -124,7 +124,7 @@ class ForwardReads:
         """``Module.__getattr__`` runs for every submodule and parameter attribute read, in every
         forward: a plain function whose only extra work is one membership test per optimizer in mode
         forward (benchmarks/bench_forward_reads.py measures it)."""
-        from torch.compiler import is_compiling
+        from ..torch_internals import is_compiling
         fusions = self.fusions
 
         @functools.wraps(original)

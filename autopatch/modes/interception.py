@@ -8,31 +8,14 @@ step. ``state_dict()`` and ``load_state_dict()`` are hooked too, so nothing is p
 in while the state is read or replaced.
 """
 
-import sys
 import time
 
-import torch
-
-# The code of torch's per-class step wrapper: a subclass whose step() calls super().step() runs
-# two of them, and only the outer one is the user's step.
-_STEP_WRAPPER_CODE = torch.optim.Optimizer.profile_hook_step(lambda *a: None).__code__
-
-
-def _outer_step_running(opt):
-    """True when an enclosing step() of ``opt`` is still running (we are a nested call)."""
-    frame, seen = sys._getframe(2), 0
-    while frame is not None:
-        if frame.f_code is _STEP_WRAPPER_CODE and frame.f_locals.get("self") is opt:
-            seen += 1
-            if seen == 2:
-                return True
-        frame = frame.f_back
-    return False
+from ..torch_internals import nested_step_call
 
 
 class StepInterception:
     """Calls ``owner.step_begins(opt, closure)`` (which may return a closure to call instead),
-    ``owner.step_ends(opt)``, ``owner.step_counted()`` once the step's time is counted,
+    ``owner.step_ends(opt)``, ``owner.step_counted(opt)`` once the step's time is counted,
     ``owner.state_io(opt)`` before the state is read or loaded, ``owner.state_loaded(opt)``
     after, and ``owner.step_abandoned()`` when the last step raised before it ended."""
 
@@ -52,7 +35,7 @@ class StepInterception:
 
     def _pre_step(self, opt, args, kwargs):
         if self._depth:
-            if _outer_step_running(opt):
+            if nested_step_call(opt):
                 self._depth += 1      # super().step() inside the user's step(): not a new step
                 return None
             self.owner.step_abandoned()   # the last step() raised before its post-hook could run
@@ -75,7 +58,7 @@ class StepInterception:
         if self._t0 is not None:
             self.step_seconds += time.perf_counter() - self._t0
             self._t0 = None
-        self.owner.step_counted()
+        self.owner.step_counted(opt)
 
     def _state_io(self, opt, *args):
         self.owner.state_io(opt)

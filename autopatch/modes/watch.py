@@ -13,6 +13,9 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..torch_internals import at_backward_end, is_compiling, own_parameters
+from ..vocabulary import BACKWARD
+
 # Attribute access and metadata queries do not read a tensor's values.
 _METADATA = {"__get__", "__set__", "size", "dim", "numel", "element_size", "is_floating_point",
              "is_complex", "data_ptr", "untyped_storage", "stride", "storage_offset",
@@ -90,7 +93,7 @@ class Observation:
         if not self.in_backward:
             self.in_backward = True
             self.stepped_grads = {}
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            at_backward_end(self._backward_done)
 
     def _backward_done(self):
         self.in_backward = False
@@ -98,9 +101,9 @@ class Observation:
         self.grad_ids = {id(p.grad) for p in self.params if p.grad is not None}
 
     def _on_module(self, module, args):
-        if torch.compiler.is_compiling():     # dynamo traces this hook while it compiles the model
+        if is_compiling():     # dynamo traces this hook while it compiles the model
             self._note(COMPILED)
-        self.entered.update(id(p) for p in module._parameters.values() if p is not None)
+        self.entered.update(id(p) for p in own_parameters(module))
 
     def saw(self, args, kwargs, name):
         for t in _tensors(args, kwargs):
@@ -142,7 +145,7 @@ class Observation:
             self.watch.__enter__()
 
     def blockers(self, mode):
-        wanted = BACKWARD_BLOCKERS if mode == "backward" else FORWARD_BLOCKERS
+        wanted = BACKWARD_BLOCKERS if mode == BACKWARD else FORWARD_BLOCKERS
         return [f for f in wanted if f in self.findings]
 
     def close(self):

@@ -1,6 +1,6 @@
 """The report's word on sharded parameters: their collectives are FSDP's and DTensor's own."""
 
-from ..fusion.eligibility import is_dtensor
+from ..torch_internals import fsdp1_flat, is_dtensor
 
 COLLECTIVES = (
     "FSDP and DTensor parameters keep their own collectives (FSDP's all-gather and "
@@ -10,7 +10,7 @@ COLLECTIVES = (
 
 def sharded_count(optimizers):
     """How many parameters of these optimizers are DTensors or FSDP1's flattened views."""
-    return sum(is_dtensor(p) or bool(getattr(p, "_fsdp_flattened", False))
+    return sum(is_dtensor(p) or fsdp1_flat(p) is not None
                for opt in optimizers for g in opt.param_groups for p in g["params"])
 
 

@@ -14,6 +14,7 @@ import wrapt
 
 from ..patching import Ledger
 from ..reporting.sections import ReportSections
+from .comm_view import CommView
 from .events import Events
 
 
@@ -29,6 +30,8 @@ class Runtime:
         self.active = False
         self.started = time.perf_counter()
         self.comm = None   # the DDP takeover (comm/), once DistributedDataParallel is imported
+        self.comm_view = CommView()   # what every optimizer's controller asks of comm/
+        self.gradient_sync = None     # the session's handle on the takeover
         self.data = None   # the data side's patches (data/), when the policy asks for them
         self._optimizers_patched = False
         self._by_id = {}
@@ -79,21 +82,22 @@ class Runtime:
         self.ledger.wrap(optim.Optimizer, "__init__", self._after_init)
         gc.collect()   # adopt live optimizers only, not garbage awaiting collection
         for obj in gc.get_objects():
-            if issubclass(type(obj), optim.Optimizer) and not self._is_wrapper(obj, optim.Optimizer):
+            if issubclass(type(obj), optim.Optimizer) and not self._is_wrapper(obj):
                 self.adopt(obj)
 
     @staticmethod
-    def _is_wrapper(obj, optimizer_cls):
+    def _is_wrapper(obj):
         """Wrappers such as accelerate's AcceleratedOptimizer (never ran Optimizer.__init__) or
         Lightning's LightningOptimizer (copies the wrapped optimizer's __dict__, hook dicts
         included) step the optimizer they wrap, which is adopted by itself."""
-        return (not hasattr(obj, "_optimizer_step_pre_hooks")
-                or isinstance(getattr(obj, "_optimizer", None), optimizer_cls))
+        from ..torch_internals import ran_optimizer_init, wrapped_optimizer
+        return not ran_optimizer_init(obj) or wrapped_optimizer(obj) is not None
 
     def _take_over_ddp(self, module):
         """DDP models built from now on (and live ones) get autopatch's bucketed allreduce, or
         the policy's communication algorithm, which hears of every optimizer step."""
         from ..comm.algorithm_choice import AlgorithmChoice
+        from ..comm.sync_handle import GradientSync
         from ..comm.takeover import DDPTakeover
         if self.comm is not None:
             return
@@ -101,29 +105,13 @@ class Runtime:
         comm = DDPTakeover(bucket_bytes=ar.bucket_bytes, compression=ar.compression,
                            hierarchical=ar.hierarchical, timeout_seconds=ar.timeout_seconds,
                            warn=ar.enabled is True, algorithm=AlgorithmChoice.from_policy(self.policy))
-        self.events.subscribe("step_begins", lambda handle: comm.before_step(handle.optimizer))
-        self.events.subscribe("step", lambda handle: comm.after_step(handle.optimizer))
-        self.comm = comm
+        self.comm = self.comm_view.takeover = comm
+        self.gradient_sync = GradientSync(comm)
         comm.install(module)
-
-    def averaged_by(self, params):
-        """The allreduce that averages the gradients of every one of ``params`` inside backward,
-        or None (backward fusion across processes waits for it)."""
-        comm = self.comm
-        return comm if comm is not None and comm.averages(params) else None
-
-    def algorithm_of(self, params):
-        """The communication algorithm that exchanges the weights or optimizer state of any of
-        ``params`` (fusion modes that would cross it are refused), or None."""
-        return None if self.comm is None else self.comm.algorithm_of(params)
-
-    def step_of(self, opt):
-        """What takes ``opt``'s step over (qadam past warm-up: ``name``, ``step(opt)``), or None."""
-        return None if self.comm is None else self.comm.step_of(opt)
 
     def _describe_collectives(self):
         """The allreduce section; with sharded parameters it says their collectives stay FSDP's."""
-        from ..reporting.collectives import note_collectives
+        from ..reporting.sharded_params import note_collectives
         if self.comm is not None:
             section = self.comm.describe()
         elif self.policy.allreduce.enabled is False:
@@ -141,8 +129,7 @@ class Runtime:
         from ..modes.controller import OptimizerController
         ctrl = self.controller_of(opt)
         if ctrl is None:
-            ctrl = OptimizerController(opt, self.policy, self.events, self.forward_reads, self.averaged_by,
-                                       self.algorithm_of, self.step_of)
+            ctrl = OptimizerController(opt, self.policy, self.events, self.forward_reads, self.comm_view)
             self._by_id[id(opt)] = ctrl
             self.controllers.append(ctrl)
         return ctrl
