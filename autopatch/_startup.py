@@ -21,8 +21,8 @@ def run():
     strict = env.flag(env.STRICT)
     enabled = env.enable_value()
     if enabled is None:
-        _problem(f"{env.ENABLE}={os.environ[env.ENABLE]!r} is not understood (use 1 or true to "
-                 "enable, 0 or false not to); autopatch stays off", strict)
+        _problem(f"{env.ENABLE}={os.environ[env.ENABLE]!r} is not understood (use 1, true, yes or "
+                 "on to enable, 0, false, no or off not to); autopatch stays off", strict)
         return
     if not enabled:
         return
@@ -34,7 +34,7 @@ def run():
         return
     try:
         autopatch.enable()
-        autopatch._exit["summary"] = True
+        autopatch.announce_at_exit()
     except PolicyError as e:
         sys.stderr.write(f"autopatch: invalid policy: {e}\n")
         sys.stderr.flush()

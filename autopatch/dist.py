@@ -40,6 +40,12 @@ def rank():
         return 0
 
 
+def default_group_id():
+    """An id of the default process group while one is set up (a new one after re-initialising)."""
+    dist = _initialised()
+    return None if dist is None else id(dist.group.WORLD)
+
+
 def is_decider():
     """Rank 0 decides for everyone (autotune, mode auto); a single process decides for itself."""
     dist = _group()

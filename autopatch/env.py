@@ -24,11 +24,11 @@ ALGORITHM = "FUSEDOPT_ALGORITHM"        # overrides algorithm.name: decentralize
 DATA_CACHE = "FUSEDOPT_DATA_CACHE"      # overrides data.cache: 1, local, redis or redis://host:port
 DATA_BALANCE = "FUSEDOPT_DATA_BALANCE"  # overrides data.load_balance: len or module:function
 
-_TRUE = {"1", "true", "yes", "on"}
-# FUSEDOPT_ENABLE takes these alone (any case, surrounding spaces ignored): a typo such as "2" or
-# "ture" must not silently decide whether a run is patched. autopatch.pth calls the start-up gate
-# for every value other than unset, "0" and "false", so the gate can warn about the rest.
-_ENABLE_VALUES = {"1": True, "true": True, "0": False, "false": False, "": False}
+# The one set of words autopatch reads as booleans, in variables and in policies alike (any case,
+# surrounding spaces ignored). Anything else is not understood: a typo such as "2" or "ture" must
+# never silently decide whether a run is patched.
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
 
 # The single policy key each variable overrides. Values stay raw strings: the policy checks them
 # with its own rules, so a bad one is a PolicyError naming the variable, like a bad policy file.
@@ -52,15 +52,23 @@ _STRIPPED = {MODE, CHUNK_BYTES, EXACT, AUTOTUNE, AUTOTUNE_MAX_SAMPLES, AUTOTUNE_
              ALGORITHM, DATA_CACHE, DATA_BALANCE}
 
 
+def boolean(text):
+    """``text`` as True or False, or None when it is not one of the boolean words."""
+    word = str(text).strip().lower()
+    return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
+
+
 def flag(name, environ=None):
-    """True when the variable holds a true-ish value; unknown values count as false."""
-    return (environ if environ is not None else os.environ).get(name, "").strip().lower() in _TRUE
+    """True when the variable holds a true word; unset or anything else counts as false."""
+    return boolean((environ if environ is not None else os.environ).get(name, "")) is True
 
 
 def enable_value(environ=None):
-    """FUSEDOPT_ENABLE as True or False, or None when the value is not understood."""
+    """FUSEDOPT_ENABLE as True or False (unset or empty: False), or None when not understood.
+    autopatch.pth calls the start-up gate for every value but unset, "0" and "false", so the gate
+    can warn about the rest."""
     raw = (environ if environ is not None else os.environ).get(ENABLE, "")
-    return _ENABLE_VALUES.get(raw.strip().lower())
+    return False if not raw.strip() else boolean(raw)
 
 
 def policy_overrides(environ=None):

@@ -1,30 +1,21 @@
 """The knobs as this run sees them: which apply, their values now, and switching them.
 
-Fusion knobs act on the optimizers autopatch fuses when the search starts, through the
-controllers' ``set_mode`` / ``set_chunk_bytes`` (lossless between steps). The mode knob offers only
-the modes every one of them allows once it has watched the run, and a mode the run later shows
-it cannot use (a closure, gradient accumulation) is reported by ``newly_blocked``. Communication
-knobs act on the bucketed allreduce when one is in charge of a multi-process run, through its
-setters.
+Each knob is a record of ``tunables.py``: the handles it lives on and the attribute it reads and
+sets there. Fusion knobs act on the optimizers autopatch fuses when the search starts, through
+their handles (``set_mode``, ``set_chunk_bytes``: lossless between steps); the mode knob offers
+only the modes every one of them allows once it has watched the run, and a mode the run later
+shows it cannot use (a closure, gradient accumulation) is reported by ``newly_blocked``.
+Communication knobs act on the gradient sync (``session.allreduce``) when it is in charge of a
+multi-process run.
 """
 
-import math
-
 from .. import dist
-from ..fusion.chunking import chunk_bytes_for
-
-COMM_KNOBS = ("bucket_size_2p", "hierarchical", "compression")
+from ..tunables import ALLREDUCE, KNOBS, OPTIMIZERS
 
 
 def choosing_mode(session):
     """True while an optimizer is still watching or measuring the run to choose its mode."""
     return any(o.choosing for o in session.optimizers)
-
-
-def exponent(nbytes):
-    """log2 of a byte count: an int for powers of two, else the exact float (so it re-applies)."""
-    e = math.log2(nbytes)
-    return int(e) if e.is_integer() else e
 
 
 class RunKnobs:
@@ -39,12 +30,13 @@ class RunKnobs:
 
     def why_not(self, knob):
         """Why a knob does not apply to this run, or None when it does."""
-        if knob in ("mode", "chunk_size_2p") and not self.controllers:
+        target = KNOBS[knob].target
+        if target == OPTIMIZERS and not self.controllers:
             return "no optimizer is fused in this run"
-        if knob in COMM_KNOBS:
+        if target == ALLREDUCE:
             if self.world == 1:
                 return "single-process run"
-            if self.comm is None or not self.comm.describe()["active"]:
+            if self.comm is None or not self.comm.active:
                 return "no bucketed allreduce is in charge of this run"
         return None
 
@@ -88,43 +80,31 @@ class RunKnobs:
     def resync(self):
         """A controller left a mode by itself: the mode in effect is its, not the last applied."""
         if "mode" in self.applied and self.controllers:
-            self.applied["mode"] = self.controllers[0].mode
+            self.applied["mode"] = KNOBS["mode"].read(self.controllers[0])
+
+    def _handles(self, knob):
+        return self.controllers if KNOBS[knob].target == OPTIMIZERS else [self.comm]
 
     def current(self, knobs):
-        """The values in effect before any switch: the run's starting config."""
-        fusion, allreduce = self.policy.fusion, self.policy.allreduce
+        """The values in effect before any switch: the run's starting config. Before the gradient
+        sync is taken over, its knobs read as the policy sets them."""
         now = {}
-        if "mode" in knobs:
-            now["mode"] = self.controllers[0].mode
-        if "chunk_size_2p" in knobs:
-            now["chunk_size_2p"] = exponent(chunk_bytes_for(self.controllers[0].optimizer, fusion.chunk_bytes))
-        sync = self.comm or allreduce     # the settings in effect, or the policy's before a takeover
-        if "bucket_size_2p" in knobs:
-            now["bucket_size_2p"] = exponent(sync.bucket_bytes)
-        if "hierarchical" in knobs:
-            now["hierarchical"] = bool(sync.hierarchical)
-        if "compression" in knobs:
-            now["compression"] = sync.compression
+        for knob in knobs:
+            handle = self._handles(knob)[0]
+            now[knob] = KNOBS[knob].read(self.policy.allreduce if handle is None else handle)
         self.applied = dict(now)
         return now
 
     def apply(self, config):
-        """Switch to ``config`` (call between steps); knobs already at their value are untouched.
+        """Switch to ``config`` (call between steps); knobs already at their value are untouched,
+        and the others change in the order ``tunables.KNOBS`` lists them (the chunk size before
+        the mode, so a new mode plans its buffers once).
 
         Returns the modes in effect, which can differ from the one asked for when an optimizer
-        cannot run it (the controller says so)."""
+        cannot run it (its handle says so)."""
         changed = {k: v for k, v in config.items() if self.applied.get(k) != v}
-        if "chunk_size_2p" in changed:
-            for c in self.controllers:
-                c.set_chunk_bytes(int(round(2 ** changed["chunk_size_2p"])))
-        if "mode" in changed:
-            for c in self.controllers:
-                c.set_mode(changed["mode"])
-        if "bucket_size_2p" in changed:
-            self.comm.set_bucket_bytes(int(round(2 ** changed["bucket_size_2p"])))
-        if "hierarchical" in changed:
-            self.comm.set_hierarchical(changed["hierarchical"])
-        if "compression" in changed:
-            self.comm.set_compression(changed["compression"])
+        for knob in (k for k in KNOBS if k in changed):
+            for handle in self._handles(knob):
+                KNOBS[knob].apply(handle, changed[knob])
         self.applied.update(changed)
         return sorted({c.mode for c in self.controllers})

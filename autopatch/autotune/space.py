@@ -1,6 +1,6 @@
 """The search space: the knobs that apply to this run, their bounds and their bayes_opt encoding.
 
-A config is a plain dict, knob -> value. ``*_2p`` knobs are integer exponents (bytes = 2**value);
+A config is a plain dict, knob -> value. Exponent knobs (``tunables.py``) are integers (bytes = 2**value);
 the others are categorical and go to bayes_opt as its own categorical parameters, which it one-hot
 encodes for the Gaussian process, so no order is invented between, say, ``off`` and ``forward``.
 Categories are passed as strings: bayes_opt would read a pair of booleans as a float interval.
@@ -9,9 +9,12 @@ A knob with a single choice is not searched but still applied.
 
 import itertools
 
+from ..tunables import KNOBS
+from ..vocabulary import OFF
+
 
 def is_exponent(knob):
-    return knob.endswith("_2p")
+    return KNOBS[knob].exponent
 
 
 class Space:
@@ -58,7 +61,7 @@ class Space:
     def key(self, config):
         """What makes two configs different runs: the chunk size means nothing unfused."""
         return tuple((k, v) for k, v in config.items()
-                     if not (k == "chunk_size_2p" and config.get("mode") == "off"))
+                     if not (k == "chunk_size_2p" and config.get("mode") == OFF))
 
     def grid(self):
         """Every distinct config, in a fixed order (the exhaustive baseline, and the fallback

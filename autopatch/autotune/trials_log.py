@@ -9,6 +9,8 @@ import json
 import os
 import tempfile
 
+from ..vocabulary import OFF
+
 BEST_VERSION = 1
 BEST_NAME = "autotune_best.json"
 
@@ -66,7 +68,7 @@ def fit_resumed(config, bounds, notes):
     fitted = {k: v for k, v in config.items() if k in bounds}
     for k in set(config) - set(fitted):
         notes.append(f"resumed knob {k} does not apply to this run: left as is")
-    if fitted.get("mode", "off") not in bounds.get("mode", ("off",)):
+    if fitted.get("mode", OFF) not in bounds.get("mode", (OFF,)):
         notes.append(f"resumed mode {fitted.pop('mode')} is not allowed for this run: left as is")
     return fitted
 

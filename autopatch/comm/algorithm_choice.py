@@ -2,50 +2,39 @@
 
 The policy's ``algorithm`` section names it with Bagua's arguments. ``gradient_allreduce`` and
 ``bytegrad`` are settings of the bucketed allreduce (bytegrad: 8-bit min-max compression); the
-others are objects of ``comm/algorithms/``, built per model from the keys their constructor takes
-(a key it does not take is ignored; None leaves the algorithm's own default).
+others are objects of ``comm/algorithms/``, built per model with the settings the policy declares
+for that algorithm (``policy.algorithm_settings``; a setting it does not take is left out, and
+None leaves the algorithm's own default).
 
-``hierarchical: null`` means hierarchical when the job spans several nodes, which every rank of
-the world learns together when a model is built (a small all-gather of node ids). For
-``gradient_allreduce`` it leaves ``allreduce.hierarchical`` in charge, so the default stays DDP's
-arithmetic. Settings that cannot work with this world (``shift_one`` with an odd number of
-participants, ``hierarchical`` over a group smaller than the world) are a ``PolicyError`` raised
-where the model is built, on every rank alike, before any step.
+``hierarchical: null`` means hierarchical when the job spans several nodes, as the job's topology
+says (autopatch/topology.py). For ``gradient_allreduce`` it leaves ``allreduce.hierarchical`` in
+charge, so the default stays DDP's arithmetic. Settings that cannot work with this world
+(``shift_one`` with an odd number of participants, ``hierarchical`` over a group smaller than the
+world) are a ``PolicyError`` raised where the model is built, on every rank alike, before any step.
 """
 
-import inspect
-
-import torch
 import torch.distributed as dist
 
-from ..policy import PolicyError
-from ..vocabulary import ALGORITHMS, BYTEGRAD, GRADIENT_ALGORITHMS, GRADIENT_ALLREDUCE
-from .collectives import all_gather_into
-from .hierarchy import node_id
-
-SETTINGS = ("hierarchical", "peer_selection_mode", "communication_interval", "sync_interval_ms", "warmup_steps")
+from ..policy import PolicyError, algorithm_settings, check_algorithm_name, check_algorithm_setting
+from ..topology import topology, why_not_hierarchical
+from ..vocabulary import BYTEGRAD, GRADIENT_ALGORITHMS, GRADIENT_ALLREDUCE
 
 
 class AlgorithmChoice:
     """The algorithm and its settings as given (``hierarchical`` None: decided per model)."""
 
     def __init__(self, name=GRADIENT_ALLREDUCE, *, source="the policy", **settings):
-        if name not in ALGORITHMS:
-            raise PolicyError(f"{source}: unknown communication algorithm {name!r}")
-        unknown = set(settings) - set(SETTINGS)
-        if unknown:
-            raise TypeError(f"unknown algorithm setting(s): {', '.join(sorted(unknown))}")
-        self.name = name
+        self.name = check_algorithm_name(name, source)
         self.source = source
-        self.settings = {k: v for k, v in settings.items() if v is not None}
-        self.explicit_hierarchical = settings.get("hierarchical")
-        self._nodes = None     # the world's node count, once some model needed it
+        self.settings = {k: check_algorithm_setting(name, k, v, source) for k, v in settings.items()
+                         if v is not None and k in algorithm_settings(name)}
+        self.explicit_hierarchical = self.settings.get("hierarchical")
 
     @classmethod
     def from_policy(cls, policy):
         section = policy.algorithm
         return cls(section.name, source=f"policy {policy.source}",
-                   **{k: getattr(section, k) for k in SETTINGS})
+                   **{k: getattr(section, k) for k in algorithm_settings(section.name)})
 
     @property
     def gradient_only(self):
@@ -56,12 +45,12 @@ class AlgorithmChoice:
         """The allreduce's compression: bytegrad's 8 bits, else ``configured`` (the policy's)."""
         return "minmax_uint8" if self.name == BYTEGRAD else configured
 
-    def allreduce_options(self, options, group, device):
+    def allreduce_options(self, options, group):
         """The bucketed allreduce's options for one model: bytegrad's compression, and the
-        hierarchy this algorithm asks for. A collective over the world when it must count nodes."""
+        hierarchy this algorithm asks for."""
         out = dict(options, compression=self.compression(options["compression"]))
         if self.name != GRADIENT_ALLREDUCE or self.explicit_hierarchical is not None:
-            out["hierarchical"] = self._hierarchical(group, device)
+            out["hierarchical"] = self._hierarchical(group)
         return out
 
     def build(self, params, group, timeout_seconds=None):
@@ -70,53 +59,34 @@ class AlgorithmChoice:
         if self.gradient_only:
             return None
         from . import algorithms     # imported late: the takeover is built while torch is imported
-        cls = algorithms.ALGORITHMS[self.name]
-        takes = inspect.signature(cls).parameters
-        settings = {k: v for k, v in self.settings.items() if k in takes}
-        if "hierarchical" in takes:
-            device = params[0].device
-            settings["hierarchical"] = self._hierarchical(group, device)
+        settings = dict(self.settings)
+        if "hierarchical" in algorithm_settings(self.name):
+            settings["hierarchical"] = self._hierarchical(group)
             if settings.get("peer_selection_mode") == "shift_one":
-                self._check_pairs(settings["hierarchical"], group, device)
+                self._check_pairs(settings["hierarchical"], group)
         return algorithms.build(self.name, params, group, timeout_seconds=timeout_seconds, **settings)
 
-    def _hierarchical(self, group, device):
+    def _hierarchical(self, group):
         flag = self.explicit_hierarchical
-        spans_world = dist.get_world_size(group) == dist.get_world_size()
-        if flag and not spans_world:
-            raise PolicyError(f"{self.source}: key 'algorithm.hierarchical': true groups ranks by node "
-                              "across the whole world, but this DDP model's process group is smaller")
+        why = why_not_hierarchical(group)
+        if flag and why:
+            raise PolicyError(f"{self.source}: key 'algorithm.hierarchical': true, but {why}")
         if flag is None:
-            return spans_world and self._node_count(device) > 1
+            return why is None and topology().nodes > 1
         return bool(flag)
 
-    def _check_pairs(self, hierarchical, group, device):
+    def _check_pairs(self, hierarchical, group):
         """shift_one pairs ranks (or, hierarchically, nodes): an odd number of them cannot pair."""
         from .algorithms.peers import check_even
-        n = self._node_count(device) if hierarchical else dist.get_world_size(group)
+        n = topology().nodes if hierarchical else dist.get_world_size(group)
         try:
             check_even(n, hierarchical)
         except ValueError as e:
             key = "algorithm.hierarchical" if hierarchical else "algorithm.peer_selection_mode"
             raise PolicyError(f"{self.source}: key '{key}': {e}") from None
 
-    def _node_count(self, device):
-        """Counted once: each model's build asked up to three times, a collective each. Every rank
-        builds the same models in the same order, so every rank counts at the same call."""
-        if self._nodes is None:
-            self._nodes = node_count(device)
-        return self._nodes
-
     def describe(self):
         return {"name": self.name, **self.settings}
-
-
-def node_count(device):
-    """How many nodes the world's ranks are on. A collective over the world."""
-    mine = torch.tensor([node_id()], dtype=torch.int64, device=device)
-    every = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
-    all_gather_into(every, mine)
-    return len(set(every.tolist()))
 
 
 GRADIENT_CHANGES = {
@@ -124,7 +94,7 @@ GRADIENT_CHANGES = {
     "fp16": "gradients travel as float16 (half the bytes); the average differs from DDP's by fp16 rounding",
     "bf16": "gradients travel as bfloat16 (half the bytes); the average differs from DDP's by bf16 rounding",
     "minmax_uint8": ("gradients travel as 8-bit min-max codes in a scatter-gather (a quarter of the bytes); "
-                     "the average differs from DDP's by up to a code step per chunk"),
+                     "the average differs from DDP's by up to a code step per row"),
 }
 
 # What some algorithms add to their description: rounds of async, the phase of qadam, exchanges.

@@ -37,22 +37,18 @@ the last synchronised step is summed across ranks, and a parameter no rank used 
 as it is in DDP.
 """
 
-import datetime
 import functools
-import time
 
 import torch
 import torch.distributed as dist
 
+from ..torch_internals import at_backward_end
 from .bucket_group import BucketGroup
 from .buckets import GradientLayout
 from .compression import checked
-from .hierarchy import build_topology
+from .hierarchy import node_groups
 from .layout_check import LayoutCheck
-
-
-class CommunicationError(RuntimeError):
-    """A collective failed or timed out: another rank most likely exited or stalled."""
+from .waiting import Waiter
 
 
 class BucketedAllreduce:
@@ -68,16 +64,15 @@ class BucketedAllreduce:
         self.find_unused = find_unused
         self.on_averaged = on_averaged
         self.buckets_handed_over_early = 0   # handed to on_averaged before backward's end
-        self.timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
+        self.waiter = Waiter(timeout_seconds, "allreduce", context=lambda: f"step {self.steps + 1}")
         self.settings = {"bucket_bytes": int(bucket_bytes), "compression": checked(compression),
                          "hierarchical": bool(hierarchical)}
-        self.topology = build_topology(self.device) if hierarchical else None
+        self.nodes = node_groups() if hierarchical else None   # NodeGroups while hierarchical
         self._pending = {}
         self.layout = None
         self.buckets = None        # the BucketGroup of the layout and settings in effect
         self.check = LayoutCheck(group, self.world, self.device)
         self.steps = 0
-        self.wait_seconds = 0.0
         self.layouts = 0
         self._armed = False
         self._reset_step()
@@ -131,14 +126,14 @@ class BucketedAllreduce:
                                "backward through the same graph twice); DDP does not support this either")
         self._contribute(i)
         if self.buckets.arrived(i):
-            self.check.finish(self._wait)
+            self.check.finish(self.waiter.wait)
             self.buckets.start_full()
         if self.buckets.inflight and self._hands_over_early():
-            self.buckets_handed_over_early += self.buckets.poll(self._wait, self._finish)
+            self.buckets_handed_over_early += self.buckets.poll(self.waiter, self._finish)
 
     def _begin_backward(self):
         self._in_backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        at_backward_end(self._end_backward)
         if self._pending:
             self._apply_settings()
         if self.layout is not None:
@@ -147,8 +142,8 @@ class BucketedAllreduce:
     def _apply_settings(self):
         self.settings.update(self._pending)
         self._pending = {}
-        if self.settings["hierarchical"] and self.topology is None:
-            self.topology = build_topology(self.device)
+        if self.settings["hierarchical"] and self.nodes is None:
+            self.nodes = node_groups()
         if self.layout is not None:
             self._relayout()
 
@@ -172,12 +167,12 @@ class BucketedAllreduce:
         try:
             if self.layout is None:
                 self._first_layout()
-            self.check.finish(self._wait)
+            self.check.finish(self.waiter.wait)
             missing = self._contribute_the_rest()
             self.buckets.start_rest()
             used = self._launch_used_bitmap() if self.find_unused else None
             # Even when raising below, every wait happens: the other ranks' collectives must match.
-            self.buckets.drain(self._wait, None if missing or self.find_unused else self._finish)
+            self.buckets.drain(self.waiter, None if missing or self.find_unused else self._finish)
             if missing:
                 raise RuntimeError(
                     f"autopatch allreduce: {len(missing)} parameter(s) received no gradient in this "
@@ -202,14 +197,14 @@ class BucketedAllreduce:
         rest = [i for i in reversed(range(len(self.params))) if i not in seen]
         order = torch.tensor([*seen, *rest], dtype=torch.int64, device=self.device)
         src = dist.get_global_rank(self.group, 0)
-        self._wait(dist.broadcast(order, src=src, group=self.group, async_op=True),
-                   "the broadcast of rank 0's gradient order")
+        self.waiter.wait(dist.broadcast(order, src=src, group=self.group, async_op=True),
+                         "the broadcast of rank 0's gradient order")
         self.layout = GradientLayout(self.params, order.tolist())
         self._relayout()
         self._start_check()
 
     def _relayout(self):
-        self.buckets = BucketGroup(self.params, self.layout, self.settings, self.group, self.world, self.topology)
+        self.buckets = BucketGroup(self.params, self.layout, self.settings, self.group, self.world, self.nodes)
         self.layouts += 1
 
     def _start_check(self):
@@ -239,7 +234,7 @@ class BucketedAllreduce:
         if launched is None:
             return None
         counts, work = launched
-        self._wait(work, "the unused-parameter bitmap")
+        self.waiter.wait(work, "the unused-parameter bitmap")
         return [c > 0 for c in counts.tolist()]
 
     def _hands_over_early(self):
@@ -265,21 +260,10 @@ class BucketedAllreduce:
             except Exception as e:    # raised once every collective of this step is waited for
                 self._listener_error = e
 
-    def _wait(self, work, what):
-        start = time.perf_counter()
-        try:
-            if self.timeout is None:
-                work.wait()
-            else:
-                work.wait(self.timeout)
-        except Exception as e:
-            waited = time.perf_counter() - start
-            raise CommunicationError(
-                f"autopatch allreduce: {what} failed on rank {dist.get_rank()} after {waited:.1f} s "
-                f"(step {self.steps + 1}): {e}. Another rank has most likely exited, stalled, or is "
-                "running different code; its own log says which.") from e
-        finally:
-            self.wait_seconds += time.perf_counter() - start
+    @property
+    def wait_seconds(self):
+        """Seconds spent waiting for this model's collectives so far."""
+        return self.waiter.seconds
 
     # -- report and removal -----------------------------------------------------------------------
     def describe(self):

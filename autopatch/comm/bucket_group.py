@@ -8,17 +8,17 @@ gradients in (``arrived``), launches reductions strictly in bucket order (``star
 ``take`` gives a finished bucket's views to whoever sets the parameters' ``.grad``.
 """
 
-import collections
 import weakref
 
 import torch
 
 from .buckets import layout_checksum, plan_buckets
-from .collectives import Averager
+from .averager import Averager
+from .waiting import start
 
 
 class BucketGroup:
-    def __init__(self, params, layout, settings, group, world, topology):
+    def __init__(self, params, layout, settings, group, world, nodes):
         self.params = params
         self.buckets = plan_buckets(layout, params, settings["bucket_bytes"])
         self.bucket_of = [0] * len(params)
@@ -26,7 +26,7 @@ class BucketGroup:
         for b in self.buckets:
             for n, i in enumerate(b.params):
                 self.bucket_of[i], self.position[i] = b.index, n
-        self.averager = Averager(group, settings["compression"], topology if settings["hierarchical"] else None)
+        self.averager = Averager(group, settings["compression"], nodes if settings["hierarchical"] else None)
         self.checksum = layout_checksum(params, self.buckets, world, settings["bucket_bytes"],
                                         settings["compression"], settings["hierarchical"])
         self.bytes_per_step = sum(self.averager.bytes_sent(torch.empty(b.numel, dtype=b.dtype, device="meta"))
@@ -41,7 +41,7 @@ class BucketGroup:
         """A new step: nothing arrived, nothing launched."""
         self.missing = [len(b.params) for b in self.buckets]
         self.next = 0              # the next bucket to launch
-        self.inflight = []         # (phases, the work waited for next, bucket)
+        self.inflight = []         # (stages, the work waited for next, bucket)
         self.finished = [False] * len(self.buckets)
         self.buffers = {}          # bucket -> (buffer, views) of this step, until it is taken
 
@@ -80,40 +80,32 @@ class BucketGroup:
             self._start(self.next)
 
     def _start(self, b):
-        phases = self.averager.phases(self.buffers[b][0])
-        self.inflight.append((phases, next(phases), b))
+        self.inflight.append(start(self.averager.stages(self.buffers[b][0]), b))
         self.next = b + 1
 
-    def poll(self, wait, finish):
+    def poll(self, waiter, finish):
         """Hand over (``finish(b)``) the buckets whose reduction has completed, without waiting for
         the others; only for single-collective reductions. Returns how many were handed over."""
         still, done = [], 0
-        for phases, work, b in self.inflight:
+        for stages, work, b in self.inflight:
             if work.is_completed():
-                wait(work, f"bucket {b} of {len(self.buckets)}")
-                next(phases, None)     # the rest of a single-collective bucket issues nothing
+                waiter.wait(work, self._what(b))
+                next(stages, None)     # the rest of a single-collective bucket issues nothing
                 finish(b)
                 done += 1
             else:
-                still.append((phases, work, b))
+                still.append((stages, work, b))
         self.inflight = still
         return done
 
-    def drain(self, wait, finish=None):
-        """Wait for every bucket, phase by phase, in bucket order; with ``finish``, hand each
-        bucket over as soon as its last phase is done."""
-        pending, self.inflight = collections.deque(self.inflight), []
-        while pending:
-            later = collections.deque()
-            while pending:     # popped, so a finished bucket's work (which holds its buffer) is let go
-                phases, work, b = pending.popleft()
-                wait(work, f"bucket {b} of {len(self.buckets)}")
-                work = next(phases, None)
-                if work is not None:
-                    later.append((phases, work, b))
-                elif finish is not None:
-                    finish(b)
-            pending = later
+    def drain(self, waiter, finish=None):
+        """Wait for every bucket, stage by stage, in bucket order; with ``finish``, hand each
+        bucket over as soon as its last stage is done."""
+        inflight, self.inflight = self.inflight, []
+        waiter.drain(inflight, self._what, finish)
+
+    def _what(self, b):
+        return f"bucket {b} of {len(self.buckets)}"
 
     def take(self, b):
         """Bucket ``b`` is averaged: its views, and the buffer is the parameters' alone from now on."""

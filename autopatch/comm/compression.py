@@ -6,7 +6,7 @@ other dtypes travel as they are.
 
 Per element, for the average ``m`` of the world ``w`` gradients ``g_1..g_w``, with
 ``S = mean_i |g_i|`` and ``R`` the mean over ranks of ``max - min`` of that rank's gradient over
-the quantisation chunk (the bucket cut into ``w`` pieces):
+the quantisation row (each rank's piece of the bucket):
 
 - ``none``: float32 sums. On 2 ranks bitwise equal to DDP (one addition per element, and the 1/2
   scaling is exact); on more ranks the summation order follows the bucket boundaries, as it does
@@ -15,8 +15,8 @@ the quantisation chunk (the bucket cut into ``w`` pieces):
   to a 10-bit mantissa; the second term is fp16's subnormal spacing. Halves the bytes sent. An
   average gradient above 65504 overflows to inf (use ``bf16`` for such models).
 - ``bf16``: ``|r - m| <= w * 2**-8 * S``, with float32's range, so no overflow. Halves the bytes.
-- ``minmax_uint8``: 8-bit codes between each chunk's min and max, as Bagua's ByteGrad: every rank
-  sends chunk ``k`` of its bucket to rank ``k``, which averages the ``w`` decoded pieces and sends
+- ``minmax_uint8``: 8-bit codes between each row's min and max, as Bagua's ByteGrad: every rank
+  sends piece ``k`` of its bucket to rank ``k``, which averages the ``w`` decoded pieces and sends
   the average back in 8 bits. ``|r - m| <= 1.002 * R / 255`` plus float32 rounding: half a code
   step for each rank's piece and for the average. Cuts the bytes by about 4x at any world size.
 """
@@ -71,7 +71,7 @@ def error_bound(compression, grads):
     """The documented per-element bound on ``|averaged - exact average|`` for one bucket.
 
     ``grads``: every rank's float32 gradient for that bucket (before scaling). For minmax the
-    range is taken over the whole bucket, which bounds the range over any of its chunks.
+    range is taken over the whole bucket, which bounds the range over any of its rows.
     """
     w = len(grads)
     stack = torch.stack([g.double() for g in grads])

@@ -11,12 +11,14 @@ Unlike Bagua's, which returned the module itself, ``with_bagua`` returns the DDP
 as Bagua's was called (``model = with_bagua(model, ...)``); its ``.module`` is the user's module.
 """
 
+import inspect
 import warnings
 
 import torch
 
 from ..comm.algorithm_choice import AlgorithmChoice
 from ..comm.algorithms import QAdamOptimizer
+from ..policy import Algorithm, algorithm_settings
 from .fused_optimizer import is_fused_optimizer
 
 
@@ -38,45 +40,47 @@ def _averaging(average):
                          "as DDP does; scale the learning rate by the world size instead")
 
 
-class GradientAllReduceAlgorithm(BaguaAlgorithm):
-    name = "gradient_allreduce"
+def _bagua_class(class_name, algorithm, bagua_defaults, averages=False):
+    """Bagua's class for ``algorithm``: its arguments are the settings the policy declares for the
+    algorithm (policy.Algorithm), in declaration order and with Bagua's defaults, plus Bagua's
+    ``average`` for the gradient algorithms. The checks are the policy's, so a value means the
+    same in a script as in a policy file."""
+    declared = {name: default for name, default in
+                ((f, getattr(Algorithm, f)) for f in algorithm_settings(algorithm))}
+    declared.update(bagua_defaults)
+    if averages:
+        declared["average"] = True
+    parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
+        inspect.Parameter(k, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=v) for k, v in declared.items()]
+    signature = inspect.Signature(parameters)
 
-    def __init__(self, hierarchical=False, average=True):
-        _averaging(average)
-        super().__init__(hierarchical=hierarchical)
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        settings = {k: v for k, v in bound.arguments.items() if k != "self"}
+        if averages:
+            _averaging(settings.pop("average"))
+        BaguaAlgorithm.__init__(self, **settings)
+        self.choice()                 # the policy's checks, now rather than at with_bagua
+
+    __init__.__signature__ = signature
+    doc = (f"Bagua's ``{class_name}``: the policy's ``algorithm: {{name: {algorithm}}}`` with Bagua's "
+           f"arguments and defaults ({', '.join(f'{k}={v!r}' for k, v in declared.items())}).")
+    return type(class_name, (BaguaAlgorithm,), {"name": algorithm, "__init__": __init__, "__doc__": doc,
+                                                "__module__": __name__})
 
 
-class ByteGradAlgorithm(BaguaAlgorithm):
-    name = "bytegrad"
-
-    def __init__(self, hierarchical=True, average=True):
-        _averaging(average)
-        super().__init__(hierarchical=hierarchical)
-
-
-class DecentralizedAlgorithm(BaguaAlgorithm):
-    name = "decentralized"
-
-    def __init__(self, hierarchical=True, peer_selection_mode="all", communication_interval=1):
-        super().__init__(hierarchical=hierarchical, peer_selection_mode=peer_selection_mode,
-                         communication_interval=communication_interval)
+GradientAllReduceAlgorithm = _bagua_class("GradientAllReduceAlgorithm", "gradient_allreduce",
+                                          {"hierarchical": False}, averages=True)
+ByteGradAlgorithm = _bagua_class("ByteGradAlgorithm", "bytegrad", {"hierarchical": True}, averages=True)
+DecentralizedAlgorithm = _bagua_class("DecentralizedAlgorithm", "decentralized", {"hierarchical": True})
+LowPrecisionDecentralizedAlgorithm = _bagua_class("LowPrecisionDecentralizedAlgorithm", "low_precision_decentralized",
+                                                  {"hierarchical": True})
+_AsyncModelAverage = _bagua_class("AsyncModelAverageAlgorithm", "async", {"warmup_steps": 0})
 
 
-class LowPrecisionDecentralizedAlgorithm(BaguaAlgorithm):
-    name = "low_precision_decentralized"
-
-    def __init__(self, hierarchical=True, communication_interval=1):
-        super().__init__(hierarchical=hierarchical, communication_interval=communication_interval)
-
-
-class AsyncModelAverageAlgorithm(BaguaAlgorithm):
-    name = "async"
-
-    def __init__(self, peer_selection_mode="all", sync_interval_ms=500, warmup_steps=0):
-        if peer_selection_mode != "all":
-            raise ValueError(f"peer_selection_mode {peer_selection_mode!r}: async model averaging averages "
-                             "over every rank ('all'), as Bagua's did")
-        super().__init__(sync_interval_ms=sync_interval_ms, warmup_steps=warmup_steps)
+class AsyncModelAverageAlgorithm(_AsyncModelAverage):
+    __doc__ = _AsyncModelAverage.__doc__
 
     def abort(self, model):
         """Stop averaging ``model`` (what ``with_bagua`` returned); every rank calls it."""
@@ -132,7 +136,8 @@ def with_bagua(model, optimizers, algorithm, process_group=None, do_flatten=True
                              "hear of its steps; drop fuse_optimizer (autopatch fuses every step itself)")
         session.optimizer(opt)         # KeyError: autopatch does not see this optimizer's steps
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group)
-    if not session.allreduce.use_algorithm(ddp, algorithm.choice()):
+    left = session.allreduce.use_algorithm(ddp, algorithm.choice())
+    if left is not None:
         warnings.warn(f"autopatch: with_bagua: {algorithm.name} does not run, DDP keeps its own gradient sync: "
-                      f"{session.allreduce.describe()['left_to_ddp'][-1]['reason']}", RuntimeWarning, stacklevel=2)
+                      f"{left}", RuntimeWarning, stacklevel=2)
     return ddp

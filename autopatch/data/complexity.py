@@ -4,7 +4,9 @@ function of a sample named as ``module:function``."""
 import importlib
 import operator
 
-__all__ = ["sequence_length", "complexity_function", "check_complexity_spec"]
+from ..policy import complexity_spec
+
+__all__ = ["sequence_length", "complexity_function"]
 
 
 def sequence_length(sample):
@@ -30,19 +32,9 @@ def _sized(value):
     return hasattr(value, "shape") or (hasattr(value, "__len__") and not isinstance(value, dict))
 
 
-def check_complexity_spec(spec):
-    """Raise ValueError unless ``spec`` is ``len``, ``module:function`` or a callable (nothing is
-    imported: a policy is checked before the program runs)."""
-    if callable(spec) or spec == "len":
-        return
-    module, sep, attr = str(spec).partition(":")
-    if not sep or not module.strip() or not attr.strip():
-        raise ValueError(f"a complexity is 'len' or 'module:function', not {spec!r}")
-
-
 def complexity_function(spec):
     """``"len"`` -> ``sequence_length``; ``"module:function"`` -> that function; a callable -> itself."""
-    check_complexity_spec(spec)
+    complexity_spec(spec)
     if callable(spec):
         return spec
     if spec == "len":

@@ -75,8 +75,8 @@ def node_server_urls(capacity=None):
         server = RedisServer(capacity)
         _started.update(urls=[server.url], server=server)
         return _started["urls"]
-    import torch.distributed as dist
-    store = dist.distributed_c10d._get_default_store()
+    from ..torch_internals import default_store
+    store = default_store()
     server = None
     if local_rank == 0:
         server = (RedisServer(capacity) if nodes == 1 else

@@ -11,29 +11,9 @@ import sys
 
 import wrapt
 
-from .complexity import check_complexity_spec
+from ..policy import cache_backend, complexity_spec
 
-__all__ = ["DataPatches", "cache_backend"]
-
-_OFF = {"", "0", "false", "off", "no", "none"}
-_DEFAULT = {"1", "true", "on", "yes"}
-
-
-def cache_backend(value):
-    """The backend a setting asks for, or None for no cache: ``1``/``true`` -> ``local``;
-    ``local``, ``redis``, or ``redis://host:port`` URLs (comma-separated) as they are."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return "local"
-    text = str(value).strip()
-    if text.lower() in _OFF:
-        return None
-    if text.lower() in _DEFAULT:
-        return "local"
-    if text in ("local", "redis") or text.startswith(("redis://", "rediss://", "unix://")):
-        return text
-    raise ValueError(f"data cache {value!r}: use 1, local, redis or redis://host:port")
+__all__ = ["DataPatches"]
 
 
 class _Deactivation:
@@ -53,8 +33,7 @@ class DataPatches:
         them); ``path``: the local store's directory; ``balance``: ``len``, ``module:function``
         or a callable scoring a sample, or None. Bad values raise ValueError here."""
         self.backend = cache_backend(cache)
-        if balance is not None:
-            check_complexity_spec(balance)
+        complexity_spec(balance)
         if capacity is not None and int(capacity) <= 0:
             raise ValueError(f"data cache capacity {capacity!r} is not a positive number of bytes")
         self.name, self.capacity, self.path, self.balance = name, capacity, path, balance

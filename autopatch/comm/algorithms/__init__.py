@@ -5,7 +5,7 @@ allreduce itself (``comm/allreduce.py``), with no class here:
 
 - ``gradient_allreduce``: ``BucketedAllreduce`` as it is (Bagua's default hierarchical=False).
 - ``bytegrad``: ``BucketedAllreduce(compression="minmax_uint8")``, whose buckets already go
-  through Bagua's 8-bit min-max scatter-gather (``collectives.py``). Bagua's defaults were
+  through Bagua's 8-bit min-max scatter-gather (``averager.py``). Bagua's defaults were
   hierarchical=True and average=True; averaging is what the allreduce always does, and
   hierarchical is the allreduce's own ``hierarchical`` setting.
 
@@ -15,7 +15,7 @@ hooks (one instance per DDP model; see ``base.py`` for when each hook runs):
 - ``decentralized``: ``Decentralized(params, group, peer_selection_mode="all" | "shift_one",
   communication_interval=1, hierarchical=False)``.
 - ``low_precision_decentralized``: ``LowPrecisionDecentralized(params, group,
-  hierarchical=False, communication_interval=1, chunk_elements=1024)``.
+  hierarchical=False, communication_interval=1, row_elements=1024)``.
 - ``async``: ``AsyncModelAverage(params, group, sync_interval_ms=500, warmup_steps=0)``, with
   ``abort()`` / ``resume()``.
 - ``qadam``: ``QAdam(params, group, warmup_steps=100, hierarchical=False,
@@ -27,6 +27,7 @@ allreduce: on one node a hierarchical ``shift_one`` has a single participant and
 Every constructor also takes ``timeout_seconds``, the bound on each wait for a collective.
 """
 
+from ...policy import check_algorithm_name
 from ...vocabulary import GRADIENT_ALGORITHMS
 from .async_average import AsyncModelAverage
 from .base import Algorithm
@@ -39,11 +40,9 @@ ALGORITHMS = {cls.name: cls for cls in (Decentralized, LowPrecisionDecentralized
 
 def build(name, params, group, **settings):
     """The algorithm ``name`` for one model's ``params`` over ``group``; a collective."""
-    if name not in ALGORITHMS:
-        known = ", ".join([*GRADIENT_ALGORITHMS, *ALGORITHMS])
-        hint = " (a gradient algorithm: it is the bucketed allreduce's compression setting)" \
-            if name in GRADIENT_ALGORITHMS else ""
-        raise ValueError(f"unknown communication algorithm {name!r}{hint}; expected one of {known}")
+    check_algorithm_name(name, "algorithms.build")
+    if name in GRADIENT_ALGORITHMS:
+        raise ValueError(f"{name} has no algorithm object: it is the bucketed allreduce's compression setting")
     return ALGORITHMS[name](params, group, **settings)
 
 

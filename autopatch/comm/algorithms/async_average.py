@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from . import shutdown
-from .base import Algorithm, BackwardEnd, Waiter, whole_number
-from .flat import FlatTensors
+from ..waiting import Waiter
+from .base import Algorithm, BackwardEnd
+from .flat_tensors import FlatTensors
 
 
 class AsyncModelAverage(Algorithm):
@@ -46,12 +47,12 @@ class AsyncModelAverage(Algorithm):
                       "to follow it")
     syncs_buffers = False     # a collective in every forward would tie the ranks' steps together
 
-    def __init__(self, params, group, *, sync_interval_ms=500, warmup_steps=0, timeout_seconds=None):
+    def __init__(self, params, group, *, peer_selection_mode="all", sync_interval_ms=500, warmup_steps=0,
+                 timeout_seconds=None):
         super().__init__(params, group, timeout_seconds=timeout_seconds)
-        if not isinstance(sync_interval_ms, (int, float)) or sync_interval_ms < 0:
-            raise ValueError(f"sync_interval_ms must be a number of milliseconds >= 0, got {sync_interval_ms!r}")
-        self.sync_interval_ms = sync_interval_ms
-        self.warmup_steps = whole_number("warmup_steps", warmup_steps, 0)
+        self.peer_selection_mode = self.setting("peer_selection_mode", peer_selection_mode)
+        self.sync_interval_ms = self.setting("sync_interval_ms", sync_interval_ms)
+        self.warmup_steps = self.setting("warmup_steps", warmup_steps)
         self.thread_group = _own_group(group, self.waiter.timeout)
         self.groups = (group, self.thread_group)
         self.flat = FlatTensors(self.params, keep=True)
@@ -70,7 +71,8 @@ class AsyncModelAverage(Algorithm):
         shutdown.register(self)
 
     def settings(self):
-        return {"sync_interval_ms": self.sync_interval_ms, "warmup_steps": self.warmup_steps}
+        return {"peer_selection_mode": self.peer_selection_mode, "sync_interval_ms": self.sync_interval_ms,
+                "warmup_steps": self.warmup_steps}
 
     # -- the training thread's hooks ------------------------------------------------------------
     def gradient_sync(self):
@@ -104,7 +106,7 @@ class AsyncModelAverage(Algorithm):
             if not self._held:
                 start = time.perf_counter()
                 self._cond.wait_for(lambda: not self._update_ready, timeout=self.timeout_seconds)
-                self.waiter.seconds += time.perf_counter() - start
+                self.waiter.waited(time.perf_counter() - start)
             self._held = True
 
     def _release(self):

@@ -26,89 +26,17 @@ on every rank:
 
 Every wait on a collective is bounded by ``timeout_seconds`` (default: the timeout the model's
 process group was created with) and counted in ``wait_seconds``; bytes this rank sends are counted the way
-``collectives.py`` counts them.
+``averager.py`` counts them.
 """
 
 import datetime
-import time
 
-import torch
 import torch.distributed as dist
 
+from ...policy import check_algorithm_setting
+from ...torch_internals import at_backward_end, group_timeout
 from ...vocabulary import MULTI_LAYER
-from ..allreduce import CommunicationError
-
-
-def group_timeout(group, device):
-    """The timeout ``group`` was created with; torch's default where the backend does not say."""
-    try:
-        return group._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):
-        return dist.default_pg_timeout
-
-
-class Waiter:
-    """Waits on collectives with a bound, counting the seconds spent waiting."""
-
-    def __init__(self, timeout, who):
-        """``timeout``: seconds, or a ``timedelta``."""
-        self.timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
-        self.who = who
-        self.seconds = 0.0
-
-    def wait(self, work, what, cancelled=None):
-        """``work``: one work object or a list of them (``batch_isend_irecv``'s answer).
-
-        With ``cancelled`` (a function), poll instead of blocking and give up once it says so: a
-        work whose group was shut down under it never completes, and its wait ignores the timeout.
-        """
-        start = time.perf_counter()
-        try:
-            for w in work if isinstance(work, list) else [work]:
-                if cancelled is not None:
-                    self._poll(w, start, cancelled)
-                w.wait(self.timeout)
-        except Exception as e:
-            raise self._failure(what, start, e) from e
-        finally:
-            self.seconds += time.perf_counter() - start
-
-    def _failure(self, what, start, e):
-        return CommunicationError(
-            f"autopatch {self.who}: {what} failed on rank {dist.get_rank()} after "
-            f"{time.perf_counter() - start:.1f} s: {e}. Another rank has most likely exited, "
-            "stalled, or is running different code; its own log says which.")
-
-    def _poll(self, work, start, cancelled):
-        pause = 1e-4
-        while not work.is_completed():
-            if cancelled():
-                raise RuntimeError("torch.distributed was shut down while it was under way")
-            if time.perf_counter() - start > self.timeout.total_seconds():
-                raise RuntimeError(f"timed out after {self.timeout.total_seconds():.0f} s")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.01)
-
-    def drain(self, started, what):
-        """Run phase generators to their end, phase by phase in list order, so every rank issues
-        the same collectives in the same order. ``started``: (generator, its first work) pairs."""
-        pending = list(started)
-        while pending:
-            later = []
-            for phases, work in pending:
-                if work is None:
-                    continue
-                self.wait(work, what)
-                work = next(phases, None)
-                if work is not None:
-                    later.append((phases, work))
-            pending = later
-
-
-def start(phases):
-    """Issue a phase generator's first collective; ``(generator, work)`` for ``Waiter.drain``
-    (``work`` is None when there was nothing to issue)."""
-    return phases, next(phases, None)
+from ..waiting import CommunicationError, Waiter
 
 
 class BackwardEnd:
@@ -130,7 +58,7 @@ class BackwardEnd:
     def _on_grad(self, _param):
         if self.armed:
             self.armed = False
-            torch.autograd.Variable._execution_engine.queue_callback(self.callback)
+            at_backward_end(self.callback)
 
     def remove(self):
         self.armed = False
@@ -183,6 +111,11 @@ class Algorithm:
         self.bytes_sent = 0
         self.closed = False
         self.error = None       # why communication stopped, when it failed
+
+    def setting(self, key, value):
+        """``value`` for the policy setting ``key`` of this algorithm, checked by its declaration
+        (policy.py), so a value means the same here as in a policy file."""
+        return check_algorithm_setting(self.name, key, value, f"autopatch {self.name}")
 
     def gradient_sync(self):
         return False

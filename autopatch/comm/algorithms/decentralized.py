@@ -14,9 +14,9 @@ model's worth of bytes whatever the world size.
 import torch
 import torch.distributed as dist
 
-from ...vocabulary import PEER_SELECTION_MODES
-from .base import Algorithm, BackwardEnd, quietly, start, whole_number
-from .flat import FlatTensors
+from ..waiting import start
+from .base import Algorithm, BackwardEnd, quietly
+from .flat_tensors import FlatTensors
 from .peers import check_even, shift_one_peer
 from .stages import ExchangeStages
 
@@ -33,19 +33,16 @@ class Decentralized(Algorithm):
     def __init__(self, params, group, *, peer_selection_mode="all", communication_interval=1,
                  hierarchical=False, timeout_seconds=None):
         super().__init__(params, group, timeout_seconds=timeout_seconds)
-        if peer_selection_mode not in PEER_SELECTION_MODES:
-            raise ValueError(f"unknown peer_selection_mode {peer_selection_mode!r}; expected one of "
-                             f"{', '.join(PEER_SELECTION_MODES)}")
-        self.mode = peer_selection_mode
-        self.interval = whole_number("communication_interval", communication_interval, 1)
+        self.mode = self.setting("peer_selection_mode", peer_selection_mode)
+        self.interval = self.setting("communication_interval", communication_interval)
         self.hierarchical = bool(hierarchical)
-        self.stages = ExchangeStages(group, self.params[0].device, self.hierarchical, self.name)
+        self.stages = ExchangeStages(group, self.hierarchical, self.name)
         if self.mode == "shift_one":
             check_even(self.stages.size, self.hierarchical)
         self.flat = FlatTensors(self.params, keep=True)
         self.forwards = 0           # synchronised training forwards
         self.communications = 0
-        self._inflight = None       # (weight copies, started phase generators)
+        self._inflight = None       # (weight copies, their exchanges under way)
         self._backward = BackwardEnd(self.params, self.after_backward)
 
     def settings(self):
@@ -78,11 +75,11 @@ class Decentralized(Algorithm):
         self.communications += 1
 
     def _exchange(self, flat, s):
-        """Phases that turn ``flat`` into its average, in communication number ``s``."""
+        """Stages that turn ``flat`` into its average, in communication number ``s``."""
         return self.stages.around(flat, lambda f: self._average(f, s))
 
     def _average(self, flat, s):
-        """Phases of the average among the exchanging ranks."""
+        """Stages of the average among the exchanging ranks."""
         st = self.stages
         if self.mode == "all":
             flat.mul_(1.0 / st.size)

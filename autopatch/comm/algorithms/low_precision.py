@@ -14,7 +14,7 @@ and the weights become s, which is exactly what the neighbours hold of them. Com
 paper, whose x carries on beside s, the gradient is taken at s: one model-sized buffer fewer,
 and no rank trains on weights its neighbours do not know.
 
-Codes have a min and max per chunk of ``chunk_elements`` (``chunk_codes.py``). With two ranks
+Codes have a min and max per row of ``row_elements`` values (``row_codes.py``). With two ranks
 both neighbours are one rank, weighted 2/3 and sent one message. ``hierarchical`` runs the ring
 over node leaders on node averages; a single node then just averages its ranks.
 """
@@ -22,9 +22,10 @@ over node leaders on node averages; a single node then just averages its ranks.
 import torch
 import torch.distributed as dist
 
-from .base import Algorithm, start, whole_number
-from .chunk_codes import DEFAULT_CHUNK, decode, encode, padded
-from .flat import FlatTensors
+from ..waiting import start
+from .base import Algorithm, whole_number
+from .row_codes import DEFAULT_ROW, decode, encode, padded
+from .flat_tensors import FlatTensors
 from .peers import ring_neighbours
 from .stages import ExchangeStages
 
@@ -38,12 +39,12 @@ class LowPrecisionDecentralized(Algorithm):
                       "which an update inside backward or one deferred to the next forward would cross")
 
     def __init__(self, params, group, *, hierarchical=False, communication_interval=1,
-                 chunk_elements=DEFAULT_CHUNK, timeout_seconds=None):
+                 row_elements=DEFAULT_ROW, timeout_seconds=None):
         super().__init__(params, group, timeout_seconds=timeout_seconds)
         self.hierarchical = bool(hierarchical)
-        self.interval = whole_number("communication_interval", communication_interval, 1)
-        self.chunk = whole_number("chunk_elements", chunk_elements, 1)
-        self.stages = ExchangeStages(group, self.params[0].device, self.hierarchical, self.name)
+        self.interval = self.setting("communication_interval", communication_interval)
+        self.row = whole_number("row_elements", row_elements, 1)
+        self.stages = ExchangeStages(group, self.hierarchical, self.name)
         st = self.stages
         # global rank -> how many of this rank's two ring places it fills
         self.neighbours = ({st.global_rank(r): m for r, m in ring_neighbours(st.rank, st.size).items()}
@@ -59,7 +60,7 @@ class LowPrecisionDecentralized(Algorithm):
 
     def settings(self):
         return {"hierarchical": self.hierarchical, "communication_interval": self.interval,
-                "chunk_elements": self.chunk}
+                "row_elements": self.row}
 
     def _exchange(self, sends, receives):
         """One message to and from each neighbour, all in flight together."""
@@ -91,13 +92,13 @@ class LowPrecisionDecentralized(Algorithm):
         self.communications += 1
 
     def _communicate(self, g, w):
-        """Phases of one communication for dtype group ``g`` whose weights are ``w``."""
-        if self.stages.topology is not None:
+        """Stages of one communication for dtype group ``g`` whose weights are ``w``."""
+        if self.stages.nodes is not None:
             self.bytes_sent += self.stages.node_bytes(w.numel() * w.element_size())
         return self.stages.around(w, lambda weights: self._ring_step(g, weights))
 
     def _ring_step(self, g, w):
-        """Phases of the ring exchange of group ``g``'s codes; ``w`` becomes its replica."""
+        """Stages of the ring exchange of group ``g``'s codes; ``w`` becomes its replica."""
         s = self.replica[g]
         n = s.numel()
         scratch = self._scratch(g, n)      # z, then each decoded code
@@ -106,7 +107,7 @@ class LowPrecisionDecentralized(Algorithm):
         for peer, m in self.neighbours.items():
             z.add_(self.neighbour_replicas[peer][g], alpha=m / 3)
         z.add_(s, alpha=-5 / 3)
-        wire = encode(z, self.chunk, scratch)
+        wire = encode(z, self.row, scratch)
         received = {peer: torch.empty_like(wire) for peer in self.neighbours}
         self.bytes_sent += wire.numel() * len(self.neighbours)
         yield self._exchange(wire, received)
@@ -119,7 +120,7 @@ class LowPrecisionDecentralized(Algorithm):
         """Group ``g``'s float32 working buffer, kept between communications (fresh model-sized
         pages every step would cost more than the arithmetic on a CPU)."""
         if g not in self.scratch:
-            self.scratch[g] = torch.empty(padded(n, self.chunk), device=self.replica[g].device)
+            self.scratch[g] = torch.empty(padded(n, self.row), device=self.replica[g].device)
         return self.scratch[g]
 
     def describe(self):

@@ -41,7 +41,10 @@ import math
 
 import torch
 
-from .base import Algorithm, Waiter, group_timeout, whole_number
+from ...policy import check_algorithm_setting
+from ...torch_internals import group_timeout, unhooked_step
+from ..waiting import Waiter
+from .base import Algorithm, whole_number
 from .compressed_average import DEFAULT_BUCKET_ELEMENTS, CompressedAverage
 
 
@@ -173,7 +176,7 @@ class QAdamOptimizer(torch.optim.Adam):
                  *, process_group=None, hierarchical=False, compression="minmax_uint8",
                  bucket_elements=DEFAULT_BUCKET_ELEMENTS, timeout_seconds=None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        self.warmup_steps = whole_number("warmup_steps", warmup_steps, 1)
+        self.warmup_steps = check_algorithm_setting("qadam", "warmup_steps", warmup_steps, "QAdamOptimizer")
         self.steps_taken = 0
         self._average = dict(compression=compression, hierarchical=hierarchical, bucket_elements=bucket_elements)
         self._group = process_group
@@ -210,9 +213,7 @@ class QAdamOptimizer(torch.optim.Adam):
 def _adam_step(optimizer, closure):
     """``torch.optim.Adam``'s own step. ``Optimizer`` wraps each class's ``step`` once with the
     step hooks; they already ran around this class's step, so Adam's runs unwrapped."""
-    step = torch.optim.Adam.step
-    if getattr(step, "hooked", False):
-        step = step.__wrapped__
+    step = unhooked_step(torch.optim.Adam) or torch.optim.Adam.step
     return step(optimizer, closure)
 
 
@@ -226,7 +227,7 @@ class QAdam(Algorithm):
     def __init__(self, params, group, *, warmup_steps=100, hierarchical=False, compression="minmax_uint8",
                  bucket_elements=DEFAULT_BUCKET_ELEMENTS, timeout_seconds=None):
         super().__init__(params, group, timeout_seconds=timeout_seconds)
-        self.warmup_steps = whole_number("warmup_steps", warmup_steps, 1)
+        self.warmup_steps = self.setting("warmup_steps", warmup_steps)
         self.options = {"hierarchical": bool(hierarchical), "compression": compression,
                         "bucket_elements": whole_number("bucket_elements", bucket_elements, 1)}
         self.average = CompressedAverage(group, self.params[0].device, self.waiter, **self.options)

@@ -1,33 +1,33 @@
-"""8-bit min-max codes of a flat float32 tensor, with its own min and max for every chunk.
+"""8-bit min-max codes of a flat float32 tensor, with its own min and max for every row.
 
 One min/max pair for a whole model lets its largest values set the code step of every element,
-so small weights' movements round to nothing; a pair per ``chunk`` elements (8 header bytes per
-chunk, under 1 % at the default 1024) keeps the step local. The codes are ``compression.py``'s
-row codes, the rows being consecutive chunks.
+so small weights' movements round to nothing; a pair per row of ``row`` elements (8 header bytes
+per row, under 1 % at the default 1024) keeps the step local. The codes are ``compression.py``'s
+row codes, the rows being consecutive slices of the tensor.
 """
 
 from ..compression import HEADER_BYTES, dequantize_rows, quantize_rows_
 
-DEFAULT_CHUNK = 1024
+DEFAULT_ROW = 1024
 
 
-def padded(numel, chunk=DEFAULT_CHUNK):
+def padded(numel, row=DEFAULT_ROW):
     """Elements of the float32 scratch that ``encode`` and ``decode`` may be given."""
-    return -(-numel // chunk) * chunk
+    return -(-numel // row) * row
 
 
-def encode(flat, chunk=DEFAULT_CHUNK, scratch=None):
-    """float32 ``[n]`` -> uint8 ``[ceil(n / chunk), chunk + 8]``; ``flat`` is left as it was.
-    ``scratch``: float32 of ``padded(n, chunk)`` elements to work in (else a new one); ``flat``
+def encode(flat, row=DEFAULT_ROW, scratch=None):
+    """float32 ``[n]`` -> uint8 ``[ceil(n / row), row + 8]``; ``flat`` is left as it was.
+    ``scratch``: float32 of ``padded(n, row)`` elements to work in (else a new one); ``flat``
     may be its first ``n``."""
     n = flat.numel()
-    rows = -(-n // chunk)
+    rows = -(-n // row)
     if scratch is None:
-        scratch = flat.new_empty(rows * chunk)
+        scratch = flat.new_empty(rows * row)
     if scratch.data_ptr() != flat.data_ptr():
         scratch[:n] = flat
-    scratch[n:] = flat[-1]      # padding that widens no chunk's range
-    return quantize_rows_(scratch.view(rows, chunk))
+    scratch[n:] = flat[-1]      # padding that widens no row's range
+    return quantize_rows_(scratch.view(rows, row))
 
 
 def decode(wire, numel, out=None):
@@ -38,5 +38,5 @@ def decode(wire, numel, out=None):
     return dequantize_rows(wire, out=rows).view(-1)[:numel]
 
 
-def wire_bytes(numel, chunk=DEFAULT_CHUNK):
-    return -(-numel // chunk) * (chunk + HEADER_BYTES)
+def wire_bytes(numel, row=DEFAULT_ROW):
+    return -(-numel // row) * (row + HEADER_BYTES)
