@@ -28,6 +28,7 @@ _exchanges = [0]          # exchanges this process has made: every rank makes th
 @dataclass(frozen=True)
 class Topology:
     node_of: tuple        # rank -> node index
+    rank: int = 0         # this process's rank (0 in a single process)
 
     @property
     def world(self):
@@ -80,7 +81,7 @@ def topology():
     if known is None:
         keys = [node_key()] if world == 1 else _exchange(world, rank)
         order = list(dict.fromkeys(keys))
-        known = _known[cache_key] = Topology(tuple(order.index(k) for k in keys))
+        known = _known[cache_key] = Topology(tuple(order.index(k) for k in keys), rank if world > 1 else 0)
     return known
 
 

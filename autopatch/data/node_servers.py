@@ -1,11 +1,11 @@
-"""Bagua's Redis layout: one server per node, started by local rank 0, addresses shared through
+"""Bagua's Redis layout: one server per node, started by its lowest rank, addresses shared through
 the process group's store.
 
-Local rank 0 of each node starts a ``RedisServer`` (in a run without a process group, the
+The lowest rank of each node starts a ``RedisServer`` (in a run without a process group, the
 process itself) and publishes its URL under ``autopatch/data/redis/node{n}``; every rank waits,
-for at most ``PUBLISH_SECONDS``, for every node's URL. The node layout comes from torchrun's
-variables (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``); without them all ranks are taken
-to share one node, whose server rank 0 starts. On one node the server listens on 127.0.0.1 only;
+for at most ``PUBLISH_SECONDS``, for every node's URL. Which ranks share a node is the job's
+topology (autopatch/topology.py), the one answer every room gets, whatever the number of ranks
+on each node. On one node the server listens on 127.0.0.1 only;
 across nodes on every interface, behind its random password.
 """
 
@@ -13,6 +13,7 @@ import datetime
 import os
 import socket
 
+from ..topology import topology
 from .redis_server import RedisServer
 
 __all__ = ["node_server_urls", "node_rank", "default_capacity_per_node", "started_server"]
@@ -22,25 +23,14 @@ KEY = "autopatch/data/redis/node{}"
 _started = {}   # this process's answer: {"urls": [...], "server": RedisServer or None}
 
 
-def _world():
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _layout():
-    """(rank, world size, this node, number of nodes, local rank)."""
-    rank, world = _world()
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if world > 1 else 1
-    local_world = local_world if local_world > 0 and world % local_world == 0 else world
-    node = int(os.environ.get("GROUP_RANK", rank // local_world)) if world > 1 else 0
-    local_rank = int(os.environ.get("LOCAL_RANK", rank % local_world)) if world > 1 else 0
-    return rank, world, node, world // local_world, local_rank
+    """(world size, this node, number of nodes, whether this rank starts its node's server)."""
+    topo = topology()
+    return topo.world, topo.node_of[topo.rank], topo.nodes, topo.leader_of(topo.rank) == topo.rank
 
 
 def node_rank():
-    return _layout()[2]
+    return _layout()[1]
 
 
 def default_capacity_per_node():
@@ -66,10 +56,10 @@ def _reachable_address():
 
 def node_server_urls(capacity=None):
     """Every node's server URL in node order, starting this node's server if this process is its
-    local rank 0. Called again, returns the same answer."""
+    node's lowest rank. Called again, returns the same answer."""
     if "urls" in _started:
         return _started["urls"]
-    rank, world, node, nodes, local_rank = _layout()
+    world, node, nodes, starts_server = _layout()
     capacity = capacity or default_capacity_per_node()
     if world == 1:
         server = RedisServer(capacity)
@@ -78,7 +68,7 @@ def node_server_urls(capacity=None):
     from ..torch_internals import default_store
     store = default_store()
     server = None
-    if local_rank == 0:
+    if starts_server:
         server = (RedisServer(capacity) if nodes == 1 else
                   RedisServer(capacity, bind="0.0.0.0", advertise=_reachable_address()))
         store.set(KEY.format(node), server.url)
