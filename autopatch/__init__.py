@@ -11,7 +11,8 @@ import warnings
 
 from . import env
 
-__all__ = ["enable", "disable", "session", "is_enabled", "report", "flush", "PolicyError", "__version__"]
+__all__ = ["enable", "disable", "session", "is_enabled", "report", "flush", "announce_at_exit", "PolicyError",
+           "__version__"]
 __version__ = "0.1.0"
 
 _lock = threading.RLock()
@@ -81,6 +82,11 @@ def __getattr__(name):
         import importlib
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'autopatch' has no attribute {name!r}")
+
+
+def announce_at_exit():
+    """At exit, print the summary (and where the report went) on stderr, as zero-code runs do."""
+    _exit["summary"] = True
 
 
 def is_enabled():

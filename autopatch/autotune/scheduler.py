@@ -148,11 +148,11 @@ class Autotuner:
         if self.cfg.log_csv:
             self.book.log_to(self.cfg.log_csv, self.space.names)
         if self.board is not None:
-            self.board.samples_per_step = self.samples_per_step
+            self.board.count_samples(self.samples_per_step)
             self.board.space(bounds, score.unit(self.samples_per_step))
         self._step_time = self._step_seconds()
-        self.book.start_config = self.knobs.current(bounds)
-        return self._trial(0, self.book.start_config, it)
+        start = self.book.start_from(self.knobs.current(bounds))
+        return self._trial(0, start, it)
 
     def _trial(self, index, config, it):
         windows = self.cfg.windows
@@ -222,7 +222,7 @@ class Autotuner:
             self.current = RunningTrial(decision, it, modes)
             self._acc.take()
             if self.board is not None:
-                self.board.trial = decision["trial"]
+                self.board.in_trial(decision["trial"])
         else:
             self._freeze(decision)
 
@@ -233,7 +233,7 @@ class Autotuner:
         if decision.get("failed"):
             self._say_stopped(decision["failed"], decision["config"])
         if self.board is not None:
-            self.board.trial = None
+            self.board.in_trial(None)
         if not dist.is_decider() or decision["config"] == {}:
             return
         rec = self.book.frozen(decision, score.unit(self.samples_per_step), self.session.policy.source)

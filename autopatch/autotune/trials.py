@@ -19,6 +19,11 @@ class TrialBook:
         self.unsafe_modes = {}      # mode -> why the run cannot use it (found while searching)
         self.csv = None
 
+    def start_from(self, config):
+        """The run's config when the search began (what the search falls back to); returns it."""
+        self.start_config = config
+        return config
+
     def log_to(self, path, knobs):
         self.csv = CsvLog(path, knobs)
 

@@ -1,8 +1,10 @@
 """The algorithm objects of the DDP models a takeover is in charge of, seen from the optimizers.
 
 Every optimizer step over a model's parameters is wrapped in its algorithm's ``before_step`` and
-``after_step`` (the runtime calls ``before_step(opt)`` / ``after_step(opt)`` around each step of
-every adopted optimizer). The first time an optimizer steps a model, the algorithm says whether
+``after_step`` (each optimizer's controller calls ``before_step(opt)`` / ``after_step(opt)``
+around its steps, through the runtime's view of the communication side). Which algorithms an
+optimizer steps is found once and kept until its param groups or the models change, so a step
+costs no scan of the parameters. The first time an optimizer steps a model, the algorithm says whether
 it can go on with it (``fits``: qadam continues Adam and AdamW only); if not, the algorithm is
 dropped for that model, which keeps the gradient allreduce, and ``on_drop(model, algorithm, why)``
 says so. ``step_of(opt)`` is the algorithm that takes the optimizer's step over, if any.
@@ -18,6 +20,9 @@ class ModelAlgorithms:
         self.by_model = weakref.WeakKeyDictionary()    # DDP model -> its Algorithm
         self.on_drop = on_drop
         self._fitting = weakref.WeakKeyDictionary()    # optimizer -> ids of the algorithms it fits
+        self._stepping = weakref.WeakKeyDictionary()   # optimizer -> (what it was found for, algorithms)
+        self._version = 0                              # changes whenever a model's algorithm does
+                                                       # (a freed model leaves by_model: its count too)
 
     def __bool__(self):
         return bool(self.by_model)
@@ -27,11 +32,14 @@ class ModelAlgorithms:
 
     def add(self, model, algorithm):
         self.by_model[model] = algorithm
+        self._version += 1
 
     def pop(self, model):
+        self._version += 1
         return self.by_model.pop(model, None)
 
     def clear(self):
+        self._version += 1
         self.by_model.clear()
 
     def of_model(self, model):
@@ -45,9 +53,16 @@ class ModelAlgorithms:
 
     def _stepped_by(self, opt):
         """The algorithms whose parameters ``opt`` updates and that can go on with it."""
+        groups = tuple((id(g["params"]), len(g["params"])) for g in opt.param_groups)
+        key = (self._version, len(self.by_model), groups)
+        known = self._stepping.get(opt)
+        if known is not None and known[0] == key:
+            return known[1]
         ids = {id(p) for g in opt.param_groups for p in g["params"]}
-        return [alg for model, alg in list(self.by_model.items())
-                if any(id(p) in ids for p in alg.params) and self._fits(model, alg, opt)]
+        found = [alg for model, alg in list(self.by_model.items())
+                 if any(id(p) in ids for p in alg.params) and self._fits(model, alg, opt)]
+        self._stepping[opt] = ((self._version, len(self.by_model), groups), found)
+        return found
 
     def _fits(self, model, alg, opt):
         fitting = self._fitting.setdefault(opt, set())

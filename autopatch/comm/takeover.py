@@ -33,43 +33,31 @@ from torch.utils.hooks import RemovableHandle
 
 from ..patching import Ledger
 from ..policy import PolicyError
+from ..topology import why_not_hierarchical
+from ..torch_internals import DDP_HANDING_BACK, applied_in_backward, ddp_reducer_params, ddp_unsupported
 from .algorithm_choice import AlgorithmChoice
 from .allreduce import BucketedAllreduce
 from .compression import checked
 from .model_algorithms import ModelAlgorithms
 from .takeover_log import TakeoverLog
 
-HANDED_BACK_BY = {
-    "register_comm_hook": "a DDP communication hook was registered",
-    "_register_builtin_comm_hook": "a DDP communication hook was registered",
-    "_register_fused_optim": "an optimizer was fused into DDP's backward",
-    "_set_static_graph": "static graph was set",
-    "join_hook": "it entered a Join context for uneven inputs, whose hook shadows DDP's own collectives",
-}
-
-
 def _unsupported(ddp):
     """Why DDP must keep reducing this model itself, or None."""
-    if getattr(ddp, "_delay_all_reduce_params", None):
-        return "delay_all_reduce_named_params is set"
-    if getattr(ddp, "_use_python_reducer", False):
-        return "compiled DDP (python reducer) reduces gradients itself"
+    why = ddp_unsupported(ddp)
+    if why:
+        return why
     if dist.get_world_size(ddp.process_group) < 2:
         return "world size is 1: there is nothing to synchronise"
-    if ddp.static_graph:
+    if getattr(ddp, "static_graph", False):
         return "static_graph=True: DDP's static-graph schedule is kept"
-    if ddp.mixed_precision is not None:
+    if getattr(ddp, "mixed_precision", None) is not None:
         return "DDP mixed_precision casts parameters and gradients itself"
-    if getattr(ddp, "_comm_hooks", None):
-        return "a DDP communication hook is registered"
-    if ddp._join_config.enable:
-        return "it is inside a Join context for uneven inputs"
-    params, sparse = ddp._build_params_for_reducer()
+    params, sparse = ddp_reducer_params(ddp)
     if any(sparse):
         return "sparse gradients (Embedding or EmbeddingBag with sparse=True)"
     if any(p.is_complex() for p in params):
         return "complex parameters"
-    if any(hasattr(p, "_in_backward_optimizers") for p in params):
+    if any(applied_in_backward(p) for p in params):
         return "optimizers are applied in backward (apply_optimizer_in_backward)"
     return None
 
@@ -117,7 +105,7 @@ class DDPTakeover:
         ddp_class = distributed_module.DistributedDataParallel
         self.ledger.wrap(ddp_class, "__init__", self._after_init)
         self.ledger.wrap(ddp_class, "forward", self._forward)
-        for name, reason in HANDED_BACK_BY.items():
+        for name, reason in DDP_HANDING_BACK.items():
             self.ledger.wrap(ddp_class, name, self._handing_back(reason))
         for obj in gc.get_objects():
             if ddp_class in type(obj).__mro__:   # not issubclass: its ABC checks are slow over every object
@@ -130,9 +118,9 @@ class DDPTakeover:
         try:
             reason = _unsupported(ddp)
             if reason is None:
-                params, _ = ddp._build_params_for_reducer()
+                params, _ = ddp_reducer_params(ddp)
                 name_of = {id(p): n for n, p in ddp.module.named_parameters()}
-                options = self.choice.allreduce_options(self._options_for(ddp), ddp.process_group, params[0].device)
+                options = self.choice.allreduce_options(self._options_for(ddp), ddp.process_group)
                 reducer = BucketedAllreduce(
                     params, [name_of.get(id(p), "?") for p in params], ddp.process_group,
                     find_unused=ddp.find_unused_parameters, on_averaged=self._averaged, **options)
@@ -166,9 +154,9 @@ class DDPTakeover:
                           RuntimeWarning, stacklevel=2)
 
     def _options_for(self, ddp):
-        """Hierarchical reduce groups ranks by node across the whole world, so it needs the world."""
-        spans_world = dist.get_world_size(ddp.process_group) == dist.get_world_size()
-        return dict(self.options, hierarchical=self.options["hierarchical"] and spans_world)
+        """The allreduce's options for ``ddp``: hierarchical only where its group allows it."""
+        allowed = why_not_hierarchical(ddp.process_group) is None
+        return dict(self.options, hierarchical=self.options["hierarchical"] and allowed)
 
     def hand_back(self, ddp, reason):
         if ddp in self.reducers:
@@ -211,16 +199,9 @@ class DDPTakeover:
 
     # -- knobs ----------------------------------------------------------------------------------
     @property
-    def bucket_bytes(self):
-        return self.options["bucket_bytes"]
-
-    @property
-    def compression(self):
-        return self.options["compression"]
-
-    @property
-    def hierarchical(self):
-        return self.options["hierarchical"]
+    def in_charge(self):
+        """True while autopatch averages the gradients of some DDP model."""
+        return bool(self.reducers)
 
     @property
     def wait_seconds(self):
@@ -263,22 +244,22 @@ class DDPTakeover:
 
     def use_algorithm(self, ddp, choice):
         """Run ``ddp`` with ``choice`` (an ``AlgorithmChoice``) from its next forward on; its
-        current algorithm is closed. A collective over its process group. False when DDP keeps
-        its own gradient sync for this model (``left_to_ddp`` says why)."""
+        current algorithm is closed. A collective over its process group. Returns None, or why
+        DDP keeps its own gradient sync for this model."""
         if ddp not in self.reducers:
-            return False
+            return self.log.why_left(ddp) or "it is not a DistributedDataParallel model autopatch took over"
         entry = self._entry(ddp)
         self.algorithms.pop(ddp)
         self.log.close_algorithm(entry, f"replaced by {choice.name}")
         reducer = entry["reducer"]
-        options = choice.allreduce_options(self._options_for(ddp), ddp.process_group, reducer.device)
+        options = choice.allreduce_options(self._options_for(ddp), ddp.process_group)
         reducer.set_compression(options["compression"])
         reducer.set_hierarchical(options["hierarchical"])
         algorithm = choice.build(reducer.params, ddp.process_group, self.options["timeout_seconds"])
         self.log.set_algorithm(entry, algorithm)
         if algorithm is not None:
             self.algorithms.add(ddp, algorithm)
-        return True
+        return None
 
     def algorithm_of(self, params):
         """The algorithm exchanging the weights or optimizer state of any of ``params``, or None."""

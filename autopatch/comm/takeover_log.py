@@ -6,6 +6,7 @@ left to DDP's own reducer, with the reason. Entries outlive the models they desc
 """
 
 import warnings
+import weakref
 
 import torch.distributed as dist
 
@@ -17,6 +18,7 @@ class TakeoverLog:
         self.warn = warn
         self.entries = []      # per adopted model: its reducer, or once retired its last description
         self.left_to_ddp = []
+        self._left = weakref.WeakKeyDictionary()   # DDP model -> why DDP keeps its gradient sync
 
     def add(self, ddp, reducer, algorithm):
         entry = {"model": type(ddp.module).__name__, "reducer": reducer}
@@ -58,9 +60,14 @@ class TakeoverLog:
     def leave(self, ddp, reason):
         """DDP keeps its own gradient sync for ``ddp``; warn on rank 0 when asked to."""
         self.left_to_ddp.append({"model": type(ddp.module).__name__, "reason": reason})
+        self._left[ddp] = reason
         if self.warn and dist.get_rank() == 0:
             warnings.warn(f"autopatch: {type(ddp.module).__name__} keeps DDP's own gradient sync: {reason}",
                           RuntimeWarning, stacklevel=3)
+
+    def why_left(self, ddp):
+        """Why DDP keeps ``ddp``'s own gradient sync, or None."""
+        return self._left.get(ddp)
 
     def describe(self, choice, options):
         """The report's allreduce section, under the takeover's current ``options``."""

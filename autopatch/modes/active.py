@@ -21,7 +21,7 @@ class ActiveMode:
         """``chunk_setting``: the policy's fusion.chunk_bytes; ``forward_reads``: tracks the
         strategies in mode forward (modes/forward_reads.py); ``averager(opt)``: across processes,
         what averages ``opt``'s gradients inside backward; ``route_of()``: how fused chunks are
-        stepped (fusion/rounding.py, chosen at the first step); ``on_switch()`` after every
+        stepped (fusion/routes.py, chosen at the first step); ``on_switch()`` after every
         activation; ``on_fall_back()`` once autopatch gave this optimizer up."""
         self.qualname = qualname
         self.chunk_setting = chunk_setting
@@ -64,6 +64,15 @@ class ActiveMode:
         averaged_by = self.averager(opt) if mode == BACKWARD and dist.world_size() > 1 else None
         return registry.build(mode, opt, self.chunk_bytes, owned_storages=self.owned_storages,
                               route=self.route_of(), averaged_by=averaged_by, strict=strict)
+
+    def chunk_bytes_in_use(self, opt):
+        """What the strategy steps with, else what the next one would be asked for."""
+        used = self.strategy.chunk_bytes_in_use() if self.strategy is not None else None
+        if used:
+            return used
+        if self.chunk_bytes is None and opt is not None:
+            return chunk_bytes_for(opt, self.chunk_setting)
+        return self.chunk_bytes
 
     def set_chunk_bytes(self, chunk_bytes):
         """Change the chunk size; flat buffers are re-planned before the next update."""

@@ -7,7 +7,7 @@ while one runs. The measuring itself is ``race.py``; this module turns policy kn
 arguments and its results into words and figures.
 """
 
-from ..vocabulary import FUSION_MODES
+from ..vocabulary import AUTO, FUSION_MODES, OFF
 from .race import ModeRace, clock_for
 
 MAX_MEASUREMENTS = 4    # per optimizer: the first one and up to three after changes in the run
@@ -16,7 +16,7 @@ MAX_MEASUREMENTS = 4    # per optimizer: the first one and up to three after cha
 def candidates(fusion):
     """The fused modes auto may choose (``fusion.auto_candidates``); ``off`` always competes."""
     chosen = fusion.auto_candidates
-    return FUSION_MODES if chosen == "auto" else tuple(m for m in FUSION_MODES if m in chosen)
+    return FUSION_MODES if chosen == AUTO else tuple(m for m in FUSION_MODES if m in chosen)
 
 
 def ms(value):
@@ -36,17 +36,17 @@ class AutoMode:
     def can_measure(self):
         return len(self.history) < MAX_MEASUREMENTS
 
-    def start(self, allowed, ruled_out, why, step, device, agree=None, current="off"):
+    def start(self, allowed, ruled_out, why, step, device, agree=None, current=OFF):
         """Race ``off`` and ``allowed`` (``current``, the mode running now, first); returns the
         mode to run first, or None when there is nothing to measure (``result`` then says off,
         and why)."""
         self.ruled_out = dict(ruled_out)
         self.race = None
         if not allowed:
-            self.result = {"chosen": "off", "why": "no fused mode is allowed for this run"}
+            self.result = {"chosen": OFF, "why": "no fused mode is allowed for this run"}
             return None
-        self.history.append({"step": step, "why": why, "modes": ["off", *allowed]})
-        self.race = ModeRace(["off", *allowed], self.measure_steps, clock_for(device), agree, first=current)
+        self.history.append({"step": step, "why": why, "modes": [OFF, *allowed]})
+        self.race = ModeRace([OFF, *allowed], self.measure_steps, clock_for(device), agree, first=current)
         return self.race.mode
 
     def boundary(self):
@@ -65,9 +65,9 @@ class AutoMode:
     def abandon(self, why):
         """Measuring failed: off, and why (measuring must never break the run)."""
         self.race = None
-        self.result = {"chosen": "off", "why": f"measuring failed ({why})"}
+        self.result = {"chosen": OFF, "why": f"measuring failed ({why})"}
         if self.history:
-            self.history[-1].update(chosen="off", failed=why)
+            self.history[-1].update(chosen=OFF, failed=why)
 
     def measuring_reason(self):
         r = self.race
@@ -82,12 +82,12 @@ class AutoMode:
             out += f": {r['why']}"
         else:
             times = r["ms_per_step"]
-            others = ", ".join(f"{m} {ms(t)}" for m, t in times.items() if m not in ("off", r["chosen"]))
-            if r["chosen"] == "off":
+            others = ", ".join(f"{m} {ms(t)}" for m, t in times.items() if m not in (OFF, r["chosen"]))
+            if r["chosen"] == OFF:
                 out += (f": no mode was faster than unpatched beyond the measured noise ({others} vs "
-                        f"{ms(times['off'])} ms/step unpatched)")
+                        f"{ms(times[OFF])} ms/step unpatched)")
             else:
-                out += (f": {ms(times[r['chosen']])} ms/step vs {ms(times['off'])} unpatched "
+                out += (f": {ms(times[r['chosen']])} ms/step vs {ms(times[OFF])} unpatched "
                         f"({r['speedup_vs_off']:.2f}x)" + (f"; also measured {others}" if others else ""))
             out += f" (decided after {r['steps']} steps of measuring)"
         if self.ruled_out:
@@ -95,7 +95,7 @@ class AutoMode:
         return out
 
     def describe(self):
-        out = {"candidates": ["off", *self.candidates], "ruled_out": dict(self.ruled_out),
+        out = {"candidates": [OFF, *self.candidates], "ruled_out": dict(self.ruled_out),
                "measuring": self.race is not None, "measure_steps_limit": self.measure_steps,
                "measurements": [dict(h) for h in self.history]}
         if self.result is not None:

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import dist
-from ..fusion.rounding import choose as choose_route
+from ..fusion.routes import choose as choose_route
 from ..vocabulary import AUTO, MULTI_LAYER, OFF, WATCHED_MODES
 from .auto import AutoMode
 from .watch import CLOSURE, Observation
@@ -107,7 +107,7 @@ class ModeChooser:
         why = self.eligibility.check(opt, MULTI_LAYER)
         if why:
             return Decision(OFF, f"left unfused: {why}")
-        self.eligibility.fusable = True
+        self.eligibility.accept()
         fusion = self.fusion
         self.route = choose_route(opt, fusion.exact, fusion.max_deviation, fusion.compile_budget_seconds)
         self.chosen_by = AUTO if self.auto else "policy"
@@ -216,6 +216,10 @@ class ModeChooser:
             self.groups = len(opt.param_groups)
             self.changed("a param group was added", step)
         return decision
+
+    def switched_by_autotune(self):
+        """Autotune set the mode in effect: the report says so, and an incident leaves for multi_layer."""
+        self.chosen_by = "autotune"
 
     def changed(self, why, step):
         """The run changed (a re-plan): mode auto measures again at the next step boundary."""

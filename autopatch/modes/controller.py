@@ -25,21 +25,19 @@ def qualified_name(cls):
 
 
 class OptimizerController:
-    def __init__(self, opt, policy, events, forward_reads, averaged_by, algorithm_of, step_of):
+    def __init__(self, opt, policy, events, forward_reads, comm):
         """``events``: where steps beginning and ending, switches and auto's measurements are
-        announced; ``forward_reads``: mode forward's patches; ``averaged_by(params)``: autopatch's
-        allreduce when it averages all of ``params``' gradients, else None;
-        ``algorithm_of(params)``: the communication algorithm exchanging their weights or state,
-        else None; ``step_of(opt)``: what takes this step over (``name``, ``step(opt)``), else None."""
+        announced to observers; ``forward_reads``: mode forward's patches; ``comm``: what this
+        optimizer may ask of the communication side, and tell it (runtime/comm_view.py)."""
         self.ref = weakref.ref(opt)
         self.qualname = qualified_name(type(opt))
         self.events = events
-        self.step_of = step_of
+        self.comm = comm
         self.override = None          # the StepOverride of the step under way
         self.overridden = {}          # who took steps over -> how many
         self.params = self._count_params(opt)
         self.step_mode = OFF          # the mode that ran the last step (a switch may follow it)
-        self.eligibility = Eligibility(self.qualname, policy.fusion, averaged_by, algorithm_of)
+        self.eligibility = Eligibility(self.qualname, policy.fusion, comm)
         self.chooser = ModeChooser(self.qualname, policy, self.eligibility)
         self.active = ActiveMode(self.qualname, policy.fusion.chunk_bytes, forward_reads,
                                  self.eligibility.averager, route_of=lambda: self.chooser.route,
@@ -60,6 +58,8 @@ class OptimizerController:
     blocked = property(lambda self: dict(self.eligibility.blocked), doc="mode -> why the run rules it out")
     choosing = property(lambda self: self.chooser.choosing, doc="Still watching or measuring.")
     steps = property(lambda self: self.interception.steps)
+    chunk_bytes = property(lambda self: self.active.chunk_bytes_in_use(self.ref()),
+                           doc="The chunk size its fused steps use (after backward's cap and the memory bound).")
     step_seconds = property(lambda self: self.interception.step_seconds)
 
     def why_not(self, mode):
@@ -78,7 +78,7 @@ class OptimizerController:
                 self._apply(opt, self.chooser.step_begins(opt, None, self.steps, self.mode))
             if mode != OFF and (mode in self.eligibility.blocked or self.eligibility.check(opt, mode)):
                 return self.mode
-            self.chooser.chosen_by = "autotune"
+            self.chooser.switched_by_autotune()
             self.active.activate(opt, mode, f"switched to {mode} at run time")
         return self.mode
 
@@ -125,13 +125,14 @@ class OptimizerController:
             self.events.emit("auto", self, decision.measured)
 
     def step_begins(self, opt, closure):
+        self.comm.before_step(opt)
         self.events.emit("step_begins", self)
         with guard.fallback(self.active, opt, "choosing the mode"):
             self._apply(opt, self.chooser.step_begins(opt, closure, self.steps, self.mode))
         self.step_mode = self.mode
         if self.active.strategy is not None:
             return self.active.before_step(opt, closure)
-        owner = self.step_of(opt)
+        owner = self.comm.step_owner(opt)
         if owner is None:
             return None
         self.overridden[owner.name] = self.overridden.get(owner.name, 0) + 1
@@ -152,7 +153,8 @@ class OptimizerController:
         with guard.fallback(self.active, opt, "choosing the mode"):
             self._apply(opt, self.chooser.step_ends(opt, self.steps, self.mode))
 
-    def step_counted(self):
+    def step_counted(self, opt):
+        self.comm.after_step(opt)
         self.events.emit("step", self)
 
     def step_abandoned(self):

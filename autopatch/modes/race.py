@@ -44,6 +44,8 @@ import time
 
 import torch
 
+from ..vocabulary import OFF
+
 WINDOW = 1          # timed steps per candidate per round: on a noisy machine, more rounds of one
                     # timed step decide sooner than fewer, longer ones (benchmarks/bench_auto.py)
 SETTLE = 1          # steps after a switch that are not timed
@@ -151,7 +153,7 @@ class ModeRace:
         most steps, settling ones and the wait for timings included, before a decision;
         ``agree``: rank 0's decision on every rank (identity in one process); ``first``: the mode
         running now, which starts the first round (no switch)."""
-        self.modes = ["off"] + [m for m in modes if m != "off"]
+        self.modes = [OFF] + [m for m in modes if m != OFF]
         if first in self.modes:
             self.modes.remove(first)
             self.modes.insert(0, first)
@@ -243,15 +245,15 @@ class ModeRace:
         for x in self.alive:
             if x == lead:
                 continue
-            if x == "off":
-                if s.gain(lead, "off") - s.h > min_gain:
+            if x == OFF:
+                if s.gain(lead, OFF) - s.h > min_gain:
                     drop[x] = f"{lead} is faster beyond the measured noise"
-            elif "off" in self.alive and s.gain(x, "off") + s.h < min_gain:
+            elif OFF in self.alive and s.gain(x, OFF) + s.h < min_gain:
                 drop[x] = "not faster than off beyond the measured noise"
             elif s.gain(lead, x) - s.h > 0:
                 drop[x] = f"slower than {lead} beyond the measured noise"
         left = [m for m in self.alive if m not in drop]
-        if "off" not in left:
+        if OFF not in left:
             endgame = self.off_left is not None and self.round - self.off_left >= ENDGAME
             for x in left:
                 if x != lead and s.gain(x, lead) + s.h < _log_gain(TIE):
@@ -269,10 +271,10 @@ class ModeRace:
             return None
         s = self._standings(self.alive)
         if s is None:
-            return self._decision({}, "off", None, "no two rounds of timings completed within the measuring budget")
+            return self._decision({}, OFF, None, "no two rounds of timings completed within the measuring budget")
         lead = s.leader
-        if "off" in self.alive and (lead == "off" or s.gain(lead, "off") - s.h <= _log_gain(MIN_GAIN)):
-            lead = "off"
+        if OFF in self.alive and (lead == OFF or s.gain(lead, OFF) - s.h <= _log_gain(MIN_GAIN)):
+            lead = OFF
         return self._decision({}, lead, s.noise)
 
     def _decision(self, drop, chosen, noise, why=None):
@@ -290,7 +292,7 @@ class ModeRace:
         for mode, why in decision["drop"].items():
             self.alive.remove(mode)
             self.dropped[mode] = {"step": self.steps, "round": self.round, "why": why}
-            if mode == "off":
+            if mode == OFF:
                 self.off_left = self.round
         if decision.get("chosen") is not None:
             self.result = decision["figures"]
@@ -303,15 +305,15 @@ class ModeRace:
             mine = [r[mode] for r in self.times.values() if mode in r]
             if mine:
                 ms[mode] = round(1e3 * statistics.median(mine), 4)
-            both = [r[mode] / r["off"] for r in self.times.values() if mode in r and "off" in r]
+            both = [r[mode] / r[OFF] for r in self.times.values() if mode in r and OFF in r]
             if both:
                 ratios[mode] = round(statistics.median(both), 4)
         out = {"chosen": chosen, "rounds": self.round, "window_steps": self.window, "steps": self.steps,
                "clock": self.clock.name, "seconds": round(time.perf_counter() - self.started, 4),
                "ran": dict(self.ran), "dropped": dropped}
-        if why is not None or chosen not in ms or "off" not in ms:
+        if why is not None or chosen not in ms or OFF not in ms:
             out["why"] = why or "no timings of the chosen mode and of off to compare"
             return out
-        out.update(ms_per_step=ms, ratio_vs_off=ratios, speedup_vs_off=round(ms["off"] / ms[chosen], 4),
+        out.update(ms_per_step=ms, ratio_vs_off=ratios, speedup_vs_off=round(ms[OFF] / ms[chosen], 4),
                    noise=None if noise is None else round(noise, 4))
         return out

@@ -27,7 +27,7 @@ def build_report(session, enabled):
             "optimizer_step_seconds": round(sum(o["step_seconds"] for o in optimizers), 6),
             "steps": sum(o["steps"] for o in optimizers),
         },
-        **session.runtime.sections.describe(),
+        **session.report_sections(),
     }
 
 

@@ -77,6 +77,11 @@ class StepTimer:
         self._want_breakdown = breakdown
         self._subscription = session.subscribe("step", self._on_step)
 
+    @property
+    def clock_mode(self):
+        """The mode that ran the clock optimizer's last step, or None before it stepped."""
+        return None if self.clock is None else self.clock.step_mode
+
     def subscribe(self, fn):
         """Call ``fn(timer)`` after each iteration; returns a handle with ``remove()``."""
         return self._listeners.subscribe(fn)

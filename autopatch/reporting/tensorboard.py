@@ -16,6 +16,7 @@ import threading
 import time
 
 from ..dist import rank
+from ..tunables import KNOBS
 
 JSONL = "autopatch.jsonl"
 SCALAR_PERIOD = 0.5     # seconds of training summarised by one scalar point
@@ -41,6 +42,14 @@ class Board:
         self._subscriptions = [timer.subscribe(self._tick), session.subscribe("switch", self._on_switch),
                                session.subscribe("auto", self.auto_measured)]
         atexit.register(self.close)
+
+    def in_trial(self, trial):
+        """The autotune trial now running (None: none), for the scalars."""
+        self.trial = trial
+
+    def count_samples(self, samples_per_step):
+        """Throughput is samples/s from now on (else steps/s)."""
+        self.samples_per_step = samples_per_step
 
     def _writing(self):
         """Rank 0 only, asked at the first write: torch.distributed is set up by then."""
@@ -68,7 +77,7 @@ class Board:
 
     def _tick(self, timer):
         if self._mode is None:
-            self._mode = timer.clock.step_mode
+            self._mode = timer.clock_mode
         if self._switched or self._acc.window.seconds >= SCALAR_PERIOD:
             self._switched = False
             self.flush_window()
@@ -104,7 +113,7 @@ class Board:
         if not self._writing():
             return
         from tensorboard.plugins.hparams import summary_v2 as hp
-        hparams = [hp.HParam(name, hp.RealInterval(float(b[0]), float(b[1])) if name.endswith("_2p")
+        hparams = [hp.HParam(name, hp.RealInterval(float(b[0]), float(b[1])) if KNOBS[name].exponent
                              else hp.Discrete(list(b))) for name, b in knobs.items()]
         pb = hp.hparams_config_pb(hparams, [hp.Metric(SCORE_TAG, display_name=f"throughput ({unit})")])
         self._events().file_writer.add_summary(pb)
@@ -117,7 +126,7 @@ class Board:
         from tensorboard.plugins.hparams import summary_v2 as hp
         from torch.utils.tensorboard import SummaryWriter
         name = f"trial-{rec['trial']:03d}"
-        hparams = {k: (float(v) if k.endswith("_2p") else v) for k, v in rec["config"].items()}
+        hparams = {k: (float(v) if KNOBS[k].exponent else v) for k, v in rec["config"].items()}
         with SummaryWriter(os.path.join(self.logdir, name)) as w:
             w.file_writer.add_summary(hp.hparams_pb(hparams, trial_id=name, start_time_secs=rec["started"]))
             if rec["score"] is not None:      # a failed trial has none

@@ -44,13 +44,17 @@ class Session:
 
     @property
     def allreduce(self):
-        """The DDP takeover's knobs (``set_bucket_bytes``, ``set_compression``,
-        ``set_hierarchical``), or None when DistributedDataParallel was never taken over."""
-        return self.runtime.comm
+        """The gradient sync's handle (comm/sync_handle.py: its knobs and setters, a model's
+        algorithm), or None when DistributedDataParallel was never imported."""
+        return self.runtime.gradient_sync
 
     def subscribe(self, event, fn):
         """Call ``fn`` on every ``event`` (runtime/events.py); returns a handle with ``remove()``."""
         return self.runtime.events.subscribe(event, fn)
+
+    def report_sections(self):
+        """Every report section the rooms added, by name."""
+        return self.runtime.sections.describe()
 
     def add_report_section(self, name, describe):
         """The report gains section ``name`` (``describe()`` returns it); returns a handle."""

@@ -1,0 +1,81 @@
+"""The house rules, checked on the source: data flows one way between the rooms, no room reads
+another's private fields, and torch's internals are touched in one module only.
+
+The import rules are import-linter contracts (pyproject.toml, ``[tool.importlinter]``); the
+private-field rule is read off the syntax tree: an attribute or name with one leading underscore
+may be used on ``self``/``cls`` only (and imported from the room's own modules), anywhere but
+``autopatch/torch_internals.py``.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spawn import ROOT
+
+PACKAGE = ROOT / "autopatch"
+TORCH_INTERNALS = PACKAGE / "torch_internals.py"
+# What the standard library or a library's documented convention names with an underscore.
+ALLOWED = {"os._exit"}
+ALLOWED_PREFIXES = ("_self_",)      # wrapt's ObjectProxy keeps its own attributes under this prefix
+
+
+def _private(name):
+    return name.startswith("_") and not name.startswith("__") and not name.startswith(ALLOWED_PREFIXES)
+
+
+def _owner_is_self(node):
+    base = node.value
+    if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+        return True
+    # type(self)._x and super()._x are the object's own
+    return isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id in ("type", "super")
+
+
+def private_uses(path):
+    """(line, text) of every use of another object's private name in the file at ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and not _owner_is_self(node):
+            text = ast.unparse(node)
+            if text not in ALLOWED:
+                out.append((node.lineno, text))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1:
+            name = node.args[1]
+            if isinstance(name, ast.Constant) and isinstance(name.value, str) and _private(name.value):
+                out.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.ImportFrom) and node.level != 1:     # a room's own modules may be private
+            module = node.module or ""
+            if any(_private(part) for part in module.split(".")):
+                out.append((node.lineno, f"from {module} import ..."))
+            out += [(node.lineno, f"from {module} import {a.name}") for a in node.names if _private(a.name)]
+    return out
+
+
+def test_no_room_reads_another_objects_private_fields():
+    found = [f"{path.relative_to(ROOT)}:{line}: {text}" for path in sorted(PACKAGE.rglob("*.py"))
+             if path != TORCH_INTERNALS for line, text in private_uses(path)]
+    assert not found, "private names used outside their owner (add a seam, or a torch_internals entry):\n" + \
+        "\n".join(found)
+
+
+def test_the_rule_catches_what_it_is_about(tmp_path):
+    """The checker itself finds each kind of reach-in (a rule that cannot fail checks nothing)."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("import torch\nfrom torch.utils._foreach_utils import x\nfrom a import _b\n"
+                      "def f(o):\n    o._field = 1\n    getattr(o, '_other')\n    return self._mine, o.__dict__\n")
+    assert [text for _, text in private_uses(sample)] == [
+        "from torch.utils._foreach_utils import ...", "from a import _b", "o._field", "getattr(o, '_other')"]
+
+
+def test_imports_follow_the_flow_between_rooms():
+    pytest.importorskip("importlinter")
+    lint = Path(sys.executable).with_name("lint-imports")     # the console script of this environment
+    res = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "BROKEN" not in res.stdout and "KEPT" in res.stdout
