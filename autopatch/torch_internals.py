@@ -1,5 +1,8 @@
 """Every use of a torch private API, or of behaviour that differs between torch releases.
 
+Imported while torch itself may still be importing (the DDP takeover is installed by a hook on
+``torch.nn.parallel.distributed``'s import): nothing of torch is touched until a function runs.
+
 autopatch hooks into torch below its public surface in a few places: the wrapper ``Optimizer``
 puts around each class's ``step``, DDP's reducer settings, dynamo's counters and settings, DTensor's
 local shard, the autograd engine's end-of-backward callback. Those can change in any release, so
@@ -18,7 +21,6 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 # Releases the version matrix (tools/torch_matrix.py) ran the test suite on; README "Torch versions".
 TESTED = ("2.11", "2.13", "2.14", "2.15")
@@ -50,7 +52,13 @@ STEP_WRAPPER = Internal(
     "an optimizer whose step is not wrapped cannot be stepped a few chunks at a time: backward and "
     "forward are refused for it with the reason, and multi_layer steps it through its own step()")
 
-_STEP_WRAPPER_CODE = torch.optim.Optimizer.profile_hook_step(lambda *a: None).__code__
+_step_wrapper_code = []     # the code object of torch's step wrapper, once asked for
+
+
+def _wrapper_code():
+    if not _step_wrapper_code:
+        _step_wrapper_code.append(torch.optim.Optimizer.profile_hook_step(lambda *a: None).__code__)
+    return _step_wrapper_code[0]
 
 
 def unhooked_step(opt_or_class):
@@ -66,9 +74,9 @@ def nested_step_call(opt):
     """True when a step() of ``opt`` is running inside another step() of ``opt`` (a subclass
     whose step calls ``super().step()`` runs torch's wrapper twice: only the outer call is the
     user's step). Looks two wrapper frames up from the caller's caller."""
-    frame, seen = sys._getframe(2), 0
+    frame, seen, code = sys._getframe(2), 0, _wrapper_code()
     while frame is not None:
-        if frame.f_code is _STEP_WRAPPER_CODE and frame.f_locals.get("self") is opt:
+        if frame.f_code is code and frame.f_locals.get("self") is opt:
             seen += 1
             if seen == 2:
                 return True
@@ -344,12 +352,17 @@ DISTRIBUTED = Internal(
     "(distributed_c10d._get_default_store), all_gather_single (all_gather_into_tensor before 2.5)",
     "torch's default timeout; node identities exchanged with all_gather_object instead of the store")
 
-# all_gather_single is the current name; older torch only has all_gather_into_tensor.
-all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def all_gather_into(output, tensor, **kwargs):
+    """``output`` gets every rank's ``tensor``: all_gather_single, the current name, or
+    all_gather_into_tensor on older torch."""
+    import torch.distributed as dist
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, tensor, **kwargs)
 
 
 def group_timeout(group, device):
     """The timeout ``group`` was created with; torch's default where the backend does not say."""
+    import torch.distributed as dist
     try:
         return group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
