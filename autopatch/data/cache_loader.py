@@ -125,6 +125,11 @@ class CacheLoader:
         return [None if v is _MISS else v
                 for v in map(self._decode, self.guard.mget([self.key(k) for k in keys]))]
 
+    @property
+    def last_error(self):
+        """The latest store error of any process using this loader, or None."""
+        return self.counters.totals().get("last_error")
+
     def num_keys(self):
         """The number of entries in the store (every dataset's), 0 without a store."""
         return 0 if self.store is None else self.store.num_keys()

@@ -159,7 +159,7 @@ class LoaderHooks:
             found = loader.peek(keys)
             times.append((time.perf_counter() - start) / len(keys))
             if any(v is None for v in found):
-                error = loader.describe().get("last_error") or "a sample written was read back as missing"
+                error = loader.last_error or "a sample written was read back as missing"
                 return _DatasetFate(label, f"the cache does not keep samples: {error}")
         read = statistics.median(times)
         if verdict.load_seconds < READ_ADVANTAGE * read:
