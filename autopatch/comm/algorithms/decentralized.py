@@ -33,11 +33,11 @@ class Decentralized(Algorithm):
     def __init__(self, params, group, *, peer_selection_mode="all", communication_interval=1,
                  hierarchical=False, timeout_seconds=None):
         super().__init__(params, group, timeout_seconds=timeout_seconds)
-        self.mode = self.setting("peer_selection_mode", peer_selection_mode)
+        self.peer_selection = self.setting("peer_selection_mode", peer_selection_mode)
         self.interval = self.setting("communication_interval", communication_interval)
         self.hierarchical = bool(hierarchical)
         self.stages = ExchangeStages(group, self.hierarchical, self.name)
-        if self.mode == "shift_one":
+        if self.peer_selection == "shift_one":
             check_even(self.stages.size, self.hierarchical)
         self.flat = FlatTensors(self.params, keep=True)
         self.forwards = 0           # synchronised training forwards
@@ -46,7 +46,7 @@ class Decentralized(Algorithm):
         self._backward = BackwardEnd(self.params, self.after_backward)
 
     def settings(self):
-        return {"peer_selection_mode": self.mode, "communication_interval": self.interval,
+        return {"peer_selection_mode": self.peer_selection, "communication_interval": self.interval,
                 "hierarchical": self.hierarchical}
 
     def before_forward(self, sync=True):
@@ -81,7 +81,7 @@ class Decentralized(Algorithm):
     def _average(self, flat, s):
         """Stages of the average among the exchanging ranks."""
         st = self.stages
-        if self.mode == "all":
+        if self.peer_selection == "all":
             flat.mul_(1.0 / st.size)
             yield dist.all_reduce(flat, group=st.group, async_op=True)
         else:
@@ -95,7 +95,7 @@ class Decentralized(Algorithm):
         sent = self.stages.node_bytes(nbytes)
         if self.stages.exchanging:
             n = self.stages.size
-            sent += 2 * (n - 1) * nbytes // n if self.mode == "all" else nbytes
+            sent += 2 * (n - 1) * nbytes // n if self.peer_selection == "all" else nbytes
         return sent
 
     def describe(self):
