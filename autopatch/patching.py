@@ -4,7 +4,28 @@ Attribute patches keep the exact original object (so ``disable()`` restores iden
 hook handles are removed in reverse order of installation.
 """
 
+import contextlib
+import threading
+
 import wrapt
+
+_own = threading.local()
+
+
+@contextlib.contextmanager
+def own_objects():
+    """Objects autopatch builds for itself inside this block (the fusability probe's copies of an
+    optimizer) are not the program's: the patches let them be."""
+    outer = getattr(_own, "active", False)
+    _own.active = True
+    try:
+        yield
+    finally:
+        _own.active = outer
+
+
+def building_own_objects():
+    return getattr(_own, "active", False)
 
 
 class Ledger:

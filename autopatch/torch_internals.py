@@ -149,7 +149,9 @@ def at_backward_end(callback):
 TENSOR_INTERNALS = Internal(
     "tensor bookkeeping",
     "Tensor._version (in-place write counter), Tensor._base (the tensor a view was made from), "
-    "Module._parameters (a module's own parameters, without the hooks parameters() runs)",
+    "Module._parameters (a module's own parameters, without the hooks parameters() runs), "
+    "Module._call_impl (the frame of a module call, which tells the watch whose forward runs), "
+    "torch._C.DisableTorchFunctionSubclass",
     "none: these are stable across every release checked")
 
 
@@ -166,6 +168,26 @@ def own_parameters(module):
     """The parameters registered on ``module`` itself (not its children), without running
     ``named_parameters()``, which mode forward patches."""
     return [p for p in module._parameters.values() if p is not None]
+
+
+def module_running(p):
+    """True when ``p`` is used inside the forward of a module that owns it: a module call
+    (``Module._call_impl``) of such a module is on the Python stack of the caller."""
+    code = torch.nn.Module._call_impl.__code__
+    frame, depth = sys._getframe(2), 0
+    while frame is not None and depth < 200:
+        if frame.f_code is code:
+            module = frame.f_locals.get("self")
+            if module is not None and any(q is p for q in own_parameters(module)):
+                return True
+        frame, depth = frame.f_back, depth + 1
+    return False
+
+
+def plain_tensors():
+    """A context in which tensor subclasses' ``__torch_function__`` is not called: ops on them
+    run as on plain tensors and return plain tensors."""
+    return torch._C.DisableTorchFunctionSubclass()
 
 
 def foreach_copy_(dst, src):
@@ -207,6 +229,20 @@ def dynamo_available():
         if not hasattr(config, name):
             return f"torch {torch.__version__}'s dynamo has no setting {name}"
     return None
+
+
+_own_graphs = [0]     # graphs autopatch compiled itself (the compiled route), not the program
+
+
+def count_own_graphs(n):
+    _own_graphs[0] += n
+
+
+def user_compiled():
+    """True once the program has compiled code with torch.compile (graphs autopatch compiled for
+    its own compiled route do not count). Never imports dynamo."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils is not None and utils.counters["stats"]["unique_graphs"] > _own_graphs[0]
 
 
 def graphs_compiled():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from spawn import IMPORT_PATH, ROOT, SUPPORT, clean_env, run_python, site_packages, write_script
+from spawn import IMPORT_PATH, ROOT, SUPPORT, clean_env, patience, run_python, site_packages, write_script
 
 pytestmark = pytest.mark.usefixtures("installed")
 
@@ -238,7 +238,7 @@ def test_torchrun_workers_are_enabled_and_each_writes_its_report(tmp_path):
     script = write_script(tmp_path / "dist.py", DIST)
     env = clean_env(FUSEDOPT_ENABLE="1", FUSEDOPT_REPORT=tmp_path / "report_{rank}.json", OMP_NUM_THREADS="1")
     res = run_python(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                      "--master_port", _free_port(), script], env=env, cwd=tmp_path, timeout=240)
+                      "--master_port", _free_port(), script], env=env, cwd=tmp_path, timeout=patience(240))
     assert res.returncode == 0, res.stdout + res.stderr
     seen = sorted(json.loads(l)["rank"] for l in res.stdout.splitlines() if l.startswith("{"))
     assert seen == [0, 1]

@@ -26,6 +26,7 @@ error here rather than a silently different result (not strict: fusion stops and
 """
 
 import functools
+import weakref
 
 import torch
 
@@ -33,7 +34,7 @@ from .chunking import BACKWARD_WINDOW
 from .param_swap import ParamSwap
 from .planner import FlatPlanner
 from .routes import Route
-from .strategy import Strategy
+from .strategy import Strategy, WeakOptimizer
 
 
 class AccumulationError(RuntimeError):
@@ -41,6 +42,8 @@ class AccumulationError(RuntimeError):
 
 
 class BackwardFusion(Strategy):
+    opt = WeakOptimizer()
+
     def __init__(self, optimizer, chunk_bytes, owned_storages=None, averaged_by=None, strict=True,
                  route=None):
         self.opt = optimizer
@@ -53,6 +56,8 @@ class BackwardFusion(Strategy):
                                    owned_storages=owned_storages)
         self.averaged_by = averaged_by
         self.hooks = []
+        # A freed optimizer's hooks go with it: the parameters it updated live on in the model.
+        self._freed = weakref.finalize(optimizer, self._unhook)
         self.scratch = {}      # (dtype, device) -> a buffer of the longest gathered chunk
         self.units = []        # chunk index -> (group index, run, chunk index in run)
         self.unit_of = []      # slot (a fused parameter) -> its chunk's index in units

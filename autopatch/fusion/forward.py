@@ -24,10 +24,12 @@ from .multi_layer import split_by_grads
 from .param_swap import ParamSwap
 from .planner import FlatPlanner
 from .routes import Route
-from .strategy import PlannedStrategy
+from .strategy import PlannedStrategy, WeakOptimizer
 
 
 class ForwardFusion(PlannedStrategy):
+    opt = WeakOptimizer()
+
     def __init__(self, optimizer, chunk_bytes, owned_storages=None, route=None):
         self.opt = optimizer
         self.route = route or Route(optimizer)     # how a chunk is stepped (routes.py)

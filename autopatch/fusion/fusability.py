@@ -15,7 +15,8 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
-from ..torch_internals import hook_dicts, unhooked_step
+from ..patching import own_objects
+from ..torch_internals import global_optimizer_hooks_silenced, hook_dicts, unhooked_step
 from .chunk_step import step_chunks
 from .multi_layer import MultiLayerStep
 from .planner import FlatPlanner
@@ -53,8 +54,23 @@ def _clone(opt, group, params):
     hp = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
     half = len(params) // 2   # two groups: a split step must leave the other group alone
     clone.param_groups = [dict(hp, params=params[:half]), dict(copy.deepcopy(hp), params=params[half:])]
-    clone.state = defaultdict(dict)
+    clone.state = _initial_state(opt, clone.param_groups)
     return clone
+
+
+def _initial_state(opt, groups):
+    """The state the class's ``__init__`` gives fresh parameters: usually none, but some classes
+    create it up front (Adagrad's ``sum`` in torch 2.4 to 2.11) and only read it when stepping.
+    Built by the class itself on the copy's groups; empty when the class cannot be built that
+    way (an ``__init__`` that does not take its ``defaults`` as keywords)."""
+    try:
+        with own_objects():
+            fresh = type(opt)([dict(g) for g in groups], **copy.deepcopy(opt.defaults))
+    except Exception:
+        return defaultdict(dict)
+    state = defaultdict(dict)
+    state.update(fresh.state)
+    return state
 
 
 def _run(opt, params, grads, how, route=None):
@@ -106,8 +122,9 @@ def probe(opt, group, split=False):
     try:
         ref_opt = _clone(opt, group, ref)
         fus_opt = _clone(opt, group, fus)
-        _run(ref_opt, ref, grads, "plain")
-        _run(fus_opt, fus, grads, "split" if split else "fused")
+        with global_optimizer_hooks_silenced():      # the copies' steps are not the user's
+            _run(ref_opt, ref, grads, "plain")
+            _run(fus_opt, fus, grads, "split" if split else "fused")
         ref_state = ref_opt.state_dict()["state"]
         fus_state = fus_opt.state_dict()["state"]
     except NotFusable as e:
@@ -155,9 +172,10 @@ def _route_probe(opt, group, route, p0):
     try:
         ref_opt = _clone(opt, group, ref)
         fus_opt = _clone(opt, group, fus)
-        _run(ref_opt, ref, grads, "plain")
         probe_route = route.fresh(fus_opt)
-        _run(fus_opt, fus, grads, "fused", probe_route)
+        with global_optimizer_hooks_silenced():
+            _run(ref_opt, ref, grads, "plain")
+            _run(fus_opt, fus, grads, "fused", probe_route)
         ref_state = ref_opt.state_dict()["state"]
         fus_state = fus_opt.state_dict()["state"]
     except Exception as e:   # any failure means: not this route

@@ -39,7 +39,7 @@ import torch
 from ..torch_internals import dtensor_like, is_dtensor
 from ..torch_internals import local_tensor as _local
 from .param_swap import ParamSwap, fuse_when_grads_exist
-from .strategy import NotFusable, Strategy
+from .strategy import NotFusable, Strategy, WeakOptimizer
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _MISSING = object()
@@ -66,6 +66,8 @@ class _Shard:
 
 class LocalShardStep(Strategy):
     """Swaps local-shard Parameters into an optimizer around each step (mode multi_layer)."""
+    opt = WeakOptimizer()
+
 
     def __init__(self, optimizer, chunk_bytes=None):
         self.opt = optimizer

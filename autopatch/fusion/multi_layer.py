@@ -9,7 +9,7 @@ per-parameter state (views into the flat state), same ``state_dict()``.
 from .flattenable import unfusable_param
 from .param_swap import ParamSwap, fuse_when_grads_exist
 from .planner import FlatPlanner
-from .strategy import NotFusable, PlannedStrategy
+from .strategy import NotFusable, PlannedStrategy, WeakOptimizer
 
 
 def split_by_grads(runs):
@@ -30,6 +30,8 @@ def split_by_grads(runs):
 
 class MultiLayerStep(PlannedStrategy):
     """Swaps flat chunks into an optimizer around each step. Not thread-safe per optimizer."""
+    opt = WeakOptimizer()
+
 
     def __init__(self, optimizer, chunk_bytes, owned_storages=None, route=None, planner=None):
         self.opt = optimizer

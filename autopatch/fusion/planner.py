@@ -18,6 +18,7 @@ from .back_to_back import runs_in_place
 from .chunking import bounded_chunk_bytes, smallest_share
 from .flattenable import unfusable_param
 from .flat_run import FlatRun, state_signature
+from .strategy import WeakOptimizer
 
 
 class GroupPlan:
@@ -31,6 +32,8 @@ class GroupPlan:
 
 
 class FlatPlanner:
+    opt = WeakOptimizer()
+
     def __init__(self, optimizer, chunk_bytes, align=False, owned_storages=None,
                  adopt_back_to_back=False, moves_params=True):
         self.opt = optimizer

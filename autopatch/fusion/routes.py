@@ -20,8 +20,9 @@ import time
 import weakref
 
 import torch
-from ..torch_internals import (compile_settings, dynamo_available, fused_kernel_devices, graphs_compiled,
-                               hit_recompile_limit, recompile_limit, traceable, unhooked_step)
+
+from ..torch_internals import (compile_settings, count_own_graphs, dynamo_available, fused_kernel_devices,
+                               graphs_compiled, hit_recompile_limit, recompile_limit, traceable, unhooked_step)
 from .chunk_step import step_chunks
 
 FUSED, COMPILED, BITWISE = "fused kernel", "compiled", "bitwise"
@@ -217,6 +218,7 @@ class CompiledRoute(Route):
                 return
             new = graphs_compiled() - graphs
             if new:
+                count_own_graphs(new)
                 self.graphs += new
                 self.compile_seconds += time.perf_counter() - t0
                 if self.compile_seconds > self.budget_seconds:

@@ -7,7 +7,22 @@ never changes results. Members that only some modes need have a default here tha
 of the kind": only backward fusion updates before ``step()``, only forward fusion defers.
 """
 
+import weakref
 from typing import Protocol
+
+
+class WeakOptimizer:
+    """The ``opt`` of a strategy or planner, held weakly: autopatch keeps its strategies for the
+    report, and must never keep a dropped optimizer (or, through it, its model) alive."""
+
+    def __set_name__(self, owner, name):
+        self.slot = f"_{name}_ref"
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else obj.__dict__[self.slot]()
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.slot] = weakref.ref(value)
 
 
 class NotFusable(RuntimeError):

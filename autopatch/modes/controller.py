@@ -9,7 +9,7 @@ effect. The controller only passes decisions from the chooser to the active mode
 
 import weakref
 
-from ..vocabulary import BACKWARD, OFF
+from ..vocabulary import BACKWARD, OFF, WATCHED_MODES
 from . import guard
 from .active import ActiveMode
 from .chooser import ModeChooser
@@ -18,6 +18,7 @@ from .interception import StepInterception
 from .step_override import StepOverride
 
 LET_GO = "autopatch was disabled"
+FREED = "the optimizer was freed"
 
 
 def qualified_name(cls):
@@ -45,6 +46,7 @@ class OptimizerController:
                                  on_fall_back=lambda: self.chooser.stop("autopatch fell back"))
         self.interception = StepInterception(opt, self)
         self._apply(opt, self.chooser.before_any_step())
+        weakref.finalize(opt, self._optimizer_freed)
 
     @staticmethod
     def _count_params(opt):
@@ -87,6 +89,22 @@ class OptimizerController:
 
     def flush(self):
         self.active.flush()
+
+    def _optimizer_freed(self):
+        """The optimizer is gone: nothing more is decided, and nothing of its is kept but the report."""
+        self.chooser.stop(FREED)
+        self.active.forget(FREED)
+
+    def shares_parameters(self, other):
+        """Another optimizer (``other``, its qualified name) was adopted over some of this one's
+        parameters: an update inside backward or deferred to the next forward would no longer be
+        this optimizer's to make, so both modes are left now and ruled out."""
+        opt = self.ref()
+        if opt is None:
+            return
+        what = f"its parameters are shared with another optimizer ({other})"
+        with guard.fallback(self.active, opt, "leaving a mode"):
+            self._apply(opt, self.chooser.incident(WATCHED_MODES, what, self.steps, self.mode))
 
     def release(self, reason=None):
         """Apply anything pending and remove every hook; the optimizer goes on as unpatched.

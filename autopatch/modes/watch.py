@@ -1,25 +1,38 @@
-"""Mode auto's watch over the first steps of an optimizer: which fusion modes cannot change results.
+"""The watch over an optimizer's first steps: which fusion modes cannot change results.
 
 Backward fusion is only right when the gradient at the end of a single backward is exactly what
 ``step()`` uses and nobody looks at grads or weights in between; forward fusion only when no
 parameter is read after ``step()`` before its own module runs. Both are checked on the real run:
-gradient hooks count backward passes per step, a module forward pre-hook records which parameters'
-modules have run, and a ``TorchFunctionMode`` (active only while observing, never inside
-``step()``) sees every torch operation that touches a parameter or a gradient.
+gradient hooks count backward passes per step, and what the run does with the parameters and
+their gradients between one ``step()`` and the next is seen on those tensors themselves.
+
+Nothing global is touched, so nothing can be left behind: no torch function mode, no global
+module hook. Between one ``step()`` and the next, each watched parameter (and each gradient it
+holds) carries a subclass of its own class whose ``__torch_function__`` notes the operation and
+runs it as usual, on plain tensors (its results are plain tensors; copies and pickles of it are
+of its own class); at every ``step()``, at the end of the watch, at ``disable()`` and when the
+optimizer is freed, every tensor gets its own class back. A parameter used inside its own
+module's forward is told apart from one used elsewhere by the module call on the Python stack
+(``torch_internals.module_running``). Hooks and records hold the parameters and the optimizer
+weakly: a dropped optimizer and its model are freed as they would be unpatched.
+
+Compiled code cannot be watched this way (dynamo would trace the subclass), so once the program
+has compiled anything, parameters are not wrapped and both modes are ruled out for the run.
 """
 
+import functools
 import weakref
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from ..torch_internals import at_backward_end, is_compiling, own_parameters
+from ..torch_internals import at_backward_end, module_running, plain_tensors, user_compiled
 from ..vocabulary import BACKWARD
 
 # Attribute access and metadata queries do not read a tensor's values.
 _METADATA = {"__get__", "__set__", "size", "dim", "numel", "element_size", "is_floating_point",
              "is_complex", "data_ptr", "untyped_storage", "stride", "storage_offset",
-             "is_contiguous", "requires_grad_", "__len__", "__hash__", "_set_grad_enabled"}
+             "is_contiguous", "requires_grad_", "__len__", "__hash__", "_set_grad_enabled",
+             "__repr__", "__format__", "__reduce_ex__", "__deepcopy__"}
 # What zero_grad(set_to_none=False) does to a grad: harmless to both modes (backward fusion has
 # freed the grads by then; forward fusion applies its pending updates before zeroing).
 _ZEROING = {"zero_", "_foreach_zero_", "detach_"}
@@ -31,26 +44,61 @@ CLOSURE = "closure-based step()"
 GRAD_READ = "gradients used between backward and step() (clipping, GradScaler, logging)"
 PARAM_READ_AFTER_BACKWARD = "parameters used between backward and step()"
 PARAM_READ_EARLY = "a parameter is used after step() before its own module runs"
-COMPILED = "modules run inside torch.compile (a deferred update cannot be applied inside compiled code)"
+COMPILED = "modules run inside torch.compile (the watch cannot see inside compiled code)"
 GRAD_USED_AFTER_STEP = "gradients used after step() (backward fusion frees them inside backward)"
 GRAD_WRITE_AFTER_STEP = "gradients changed in place after step() (a deferred update still needs them)"
+UNWATCHABLE = "a parameter or gradient of a tensor subclass (the watch cannot follow it)"
 
 BACKWARD_BLOCKERS = (ACCUMULATION, DOUBLE_BACKWARD, SPARSE, CLOSURE, GRAD_READ, PARAM_READ_AFTER_BACKWARD,
-                     GRAD_USED_AFTER_STEP)
-FORWARD_BLOCKERS = (CLOSURE, SPARSE, PARAM_READ_EARLY, GRAD_WRITE_AFTER_STEP, COMPILED)
+                     GRAD_USED_AFTER_STEP, COMPILED, UNWATCHABLE)
+FORWARD_BLOCKERS = (CLOSURE, SPARSE, PARAM_READ_EARLY, GRAD_WRITE_AFTER_STEP, COMPILED, UNWATCHABLE)
+
+PARAM, STEPPED_GRAD, GRAD = "param", "stepped grad", "grad"
+_watched = {}       # id(tensor) -> (weakref to it, weakref to its Observation, its role)
+_classes = {}       # a plain class -> its watched subclass
 
 
-class _Watch(TorchFunctionMode):
-    def __init__(self, observation):
-        super().__init__()
-        self.observation = observation
+def _note_use(func, args, kwargs):
+    name = getattr(func, "__name__", None)
+    if name in _METADATA:
+        return
+    for t in _tensors(args, kwargs):
+        entry = _watched.get(id(t))
+        if entry is not None and entry[0]() is t:
+            observation = entry[1]()
+            if observation is not None:
+                observation.saw(t, entry[2], name)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", None)
-        if name not in _METADATA:
-            self.observation.saw(args, kwargs, name)
+
+def _torch_function(cls, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    _note_use(func, args, kwargs)
+    with plain_tensors():
         return func(*args, **kwargs)
+
+
+def _as_own_class(method):
+    """``method`` of the plain class, run while the tensor has its own class back (copies and
+    pickles must never carry the watch's class)."""
+    def run(self, *args):
+        watched = type(self)
+        self.__class__ = watched.__bases__[0]
+        try:
+            return getattr(self, method)(*args)
+        finally:
+            self.__class__ = watched
+    run.__name__ = method
+    return run
+
+
+def _watched_class(cls):
+    if cls not in _classes:
+        _classes[cls] = type(f"Watched{cls.__name__}", (cls,), {
+            "__torch_function__": classmethod(_torch_function),
+            "__deepcopy__": _as_own_class("__deepcopy__"),
+            "__reduce_ex__": _as_own_class("__reduce_ex__"),
+            "__module__": __name__})
+    return _classes[cls]
 
 
 def _tensors(args, kwargs):
@@ -61,19 +109,26 @@ def _tensors(args, kwargs):
             yield from (t for t in a if isinstance(t, torch.Tensor))
 
 
+def _on_grad(ref, p):
+    observation = ref()
+    if observation is not None:
+        observation.on_grad(p)
+
+
 class Observation:
     def __init__(self, opt, steps):
         self.steps_wanted = steps
         self.steps = 0
-        self.params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-        self.param_ids = {id(p) for p in self.params}
+        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        self.params = [weakref.ref(p) for p in params]
+        self.param_ids = {id(p) for p in params}
         self.findings = {}
-        self.got_grad, self.entered, self.grad_ids = set(), set(), set()
-        self.stepped_grads = {}   # id -> weakref of the grads step() used, until the next backward
+        self.got_grad, self.entered = set(), set()
         self.in_backward = self.after_backward = False
-        self.watch = None
-        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        self.handles.append(torch.nn.modules.module.register_module_forward_pre_hook(self._on_module))
+        self.wrapped = []          # weak references to the tensors wrapped in this window
+        me = weakref.ref(self)
+        self.handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, me)) for p in params]
+        self._closer = weakref.finalize(opt, self.close)   # a freed optimizer is watched no more
 
     @property
     def done(self):
@@ -82,7 +137,29 @@ class Observation:
     def _note(self, finding):
         self.findings[finding] = self.findings.get(finding, 0) + 1
 
-    def _on_grad(self, p):
+    def _live_params(self):
+        return [p for p in (r() for r in self.params) if p is not None]
+
+    # -- the window between two steps -----------------------------------------------------------
+    def _wrap(self, t, role):
+        cls = type(t)
+        if cls not in (torch.Tensor, torch.nn.Parameter):
+            if cls not in _classes.values():
+                self._note(UNWATCHABLE)
+            return
+        t.__class__ = _watched_class(cls)
+        _watched[id(t)] = (weakref.ref(t), weakref.ref(self), role)
+        self.wrapped.append(weakref.ref(t))
+
+    def _unwrap_all(self):
+        wrapped, self.wrapped = self.wrapped, []
+        for ref in wrapped:
+            t = ref()
+            if t is not None:
+                _watched.pop(id(t), None)
+                t.__class__ = type(t).__bases__[0]
+
+    def on_grad(self, p):
         if id(p) in self.got_grad:
             self._note(ACCUMULATION)
         self.got_grad.add(id(p))
@@ -92,43 +169,38 @@ class Observation:
             self._note(SPARSE)
         if not self.in_backward:
             self.in_backward = True
-            self.stepped_grads = {}
-            at_backward_end(self._backward_done)
+            at_backward_end(functools.partial(_backward_done, weakref.ref(self)))
 
-    def _backward_done(self):
+    def backward_done(self):
         self.in_backward = False
         self.after_backward = True
-        self.grad_ids = {id(p.grad) for p in self.params if p.grad is not None}
+        if self.wrapped:               # the window is open: its new gradients are watched too
+            for p in self._live_params():
+                if p.grad is not None and id(p.grad) not in _watched:
+                    self._wrap(p.grad, GRAD)
 
-    def _on_module(self, module, args):
-        if is_compiling():     # dynamo traces this hook while it compiles the model
-            self._note(COMPILED)
-        self.entered.update(id(p) for p in own_parameters(module))
-
-    def saw(self, args, kwargs, name):
-        for t in _tensors(args, kwargs):
-            tid = id(t)
-            ref = self.stepped_grads.get(tid)
-            if ref is not None and ref() is t and name not in _ZEROING:
+    def saw(self, t, role, name):
+        if role == STEPPED_GRAD:
+            if name not in _ZEROING:
                 self._note(GRAD_USED_AFTER_STEP)
                 if name and name.endswith("_") and not name.endswith("__"):
                     self._note(GRAD_WRITE_AFTER_STEP)
-            if tid in self.param_ids:
-                if self.after_backward:
-                    self._note(PARAM_READ_AFTER_BACKWARD)
-                elif tid not in self.entered:
-                    self._note(PARAM_READ_EARLY)
-            elif self.after_backward and tid in self.grad_ids:
+        elif role == GRAD:
+            if self.after_backward:
                 self._note(GRAD_READ)
+        elif self.after_backward:
+            if not module_running(t):
+                self._note(PARAM_READ_AFTER_BACKWARD)
+        elif id(t) not in self.entered:
+            if module_running(t):
+                self.entered.add(id(t))
+            else:
+                self._note(PARAM_READ_EARLY)
 
-    def _stop_watch(self):
-        if self.watch is not None:
-            self.watch.__exit__(None, None, None)
-            self.watch = None
-
+    # -- step boundaries ------------------------------------------------------------------------
     def on_step(self, closure):
         """At step(): close the window that began after the previous step()."""
-        self._stop_watch()
+        self._unwrap_all()
         if closure is not None:
             self._note(CLOSURE)
         self.steps += 1
@@ -137,19 +209,31 @@ class Observation:
         """After step(): watch the next iteration, from its forward to the next step()."""
         self.got_grad.clear()
         self.entered.clear()
-        self.grad_ids = set()
-        self.stepped_grads = {id(p.grad): weakref.ref(p.grad) for p in self.params if p.grad is not None}
         self.after_backward = False
-        if not self.done:
-            self.watch = _Watch(self)
-            self.watch.__enter__()
+        if user_compiled():
+            self._note(COMPILED)
+        if self.done or COMPILED in self.findings:
+            return
+        for p in self._live_params():
+            self._wrap(p, PARAM)
+            if p.grad is not None:
+                self._wrap(p.grad, STEPPED_GRAD)
 
     def blockers(self, mode):
         wanted = BACKWARD_BLOCKERS if mode == BACKWARD else FORWARD_BLOCKERS
         return [f for f in wanted if f in self.findings]
 
     def close(self):
-        self._stop_watch()
+        """Every tensor gets its own class back and every hook goes (idempotent)."""
+        self._unwrap_all()
         for h in self.handles:
             h.remove()
         self.handles = []
+        self._closer.detach()
+
+
+def _backward_done(ref):
+    observation = ref()
+    if observation is not None:
+        observation.backward_done()
+

@@ -12,7 +12,7 @@ import time
 
 import wrapt
 
-from ..patching import Ledger
+from ..patching import Ledger, building_own_objects
 from ..reporting.sections import ReportSections
 from .comm_view import CommView
 from .events import Events
@@ -122,17 +122,41 @@ class Runtime:
 
     def _after_init(self, wrapped, instance, args, kwargs):
         wrapped(*args, **kwargs)
-        self.adopt(instance)
+        if not building_own_objects():
+            self.adopt(instance)
 
     def adopt(self, opt):
         """Put ``opt`` under autopatch (once); returns its handle."""
         from ..modes.controller import OptimizerController
         ctrl = self.controller_of(opt)
         if ctrl is None:
+            sharing = self._sharing(opt)
             ctrl = OptimizerController(opt, self.policy, self.events, self.forward_reads, self.comm_view)
             self._by_id[id(opt)] = ctrl
             self.controllers.append(ctrl)
+            for other in sharing:
+                other.shares_parameters(ctrl.qualname)
+                ctrl.shares_parameters(other.qualname)
         return ctrl
+
+    def _sharing(self, opt):
+        """The live optimizers' controllers that step some of ``opt``'s parameters (a user who
+        re-creates an optimizer and keeps the old one, say). Garbage is collected first when
+        there are any, so a dropped optimizer waiting in a reference cycle does not count."""
+        mine = {id(p) for g in opt.param_groups for p in g["params"]}
+        found = self._overlapping(mine)
+        if found:
+            gc.collect()
+            found = self._overlapping(mine)
+        return found
+
+    def _overlapping(self, ids):
+        out = []
+        for ctrl in self.controllers:
+            other = ctrl.optimizer
+            if other is not None and any(id(p) in ids for g in other.param_groups for p in g["params"]):
+                out.append(ctrl)
+        return out
 
     def controller_of(self, opt):
         ctrl = self._by_id.get(id(opt))

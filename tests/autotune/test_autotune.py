@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spawn import ROOT, clean_env, run_python, write_script
+from spawn import ROOT, clean_env, patience, run_python, write_script
 from training import assert_same, batches, mlp, train, weights
 
 pytest.importorskip("bayes_opt")
@@ -199,7 +199,7 @@ def test_distributed_ranks_apply_identical_configs_at_identical_steps(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in (0, 1)]
     for p in procs:
-        _, err = p.communicate(timeout=120)
+        _, err = p.communicate(timeout=patience(120))
         assert p.returncode == 0, err
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["phase"] == r1["phase"] == "frozen"

@@ -10,7 +10,7 @@ import torch
 
 from autopatch.comm.algorithms import ALGORITHMS, build
 from autopatch.comm.algorithms.peers import check_even, ring_neighbours, shift_one_pairs, shift_one_peer
-from spawn import SUPPORT, clean_env
+from spawn import SUPPORT, clean_env, patience
 
 # The schedules of the shift-one pairing, as specified for 4 and 8 ranks.
 SHIFT_ONE = {
@@ -28,7 +28,7 @@ def run_ranks(suite, world, tmp_path, timeout):
     def rank(r):
         return subprocess.run([sys.executable, str(SUPPORT / "algorithms_worker.py"), suite, str(r), str(world),
                                str(tmp_path / "init"), str(tmp_path / f"rank{r}.pt")],
-                              env=env, capture_output=True, text=True, timeout=timeout)
+                              env=env, capture_output=True, text=True, timeout=patience(timeout))
     with ThreadPoolExecutor(world) as pool:
         done = list(pool.map(rank, range(world)))
     for r, proc in enumerate(done):

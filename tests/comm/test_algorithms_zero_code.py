@@ -8,7 +8,7 @@ FUSEDOPT_ENABLE=1 (the baseline DDP run is in the same job)."""
 import statistics
 
 from autopatch import policy as policies
-from spawn import IMPORT_PATH, SUPPORT
+from spawn import IMPORT_PATH, SUPPORT, patience
 from harness.launch import failed, run_ranks
 
 SCRIPT = SUPPORT / "zero_code_digits.py"
@@ -20,7 +20,7 @@ def zero_code(tmp_path, world=4, policy=None, yaml=None, timeout=150, **env):
     if yaml is not None:
         policy = tmp_path / "policy.yaml"
         policy.write_text(yaml)
-    ranks = run_ranks([SCRIPT], world, timeout=timeout,
+    ranks = run_ranks([SCRIPT], world, timeout=patience(timeout),
                       env={"FUSEDOPT_ENABLE": 1, "FUSEDOPT_POLICY": policy, "PYTHONPATH": IMPORT_PATH, **env})
     assert failed(ranks) is None, failed(ranks)
     return [dict(r.results, stderr=r.stderr) for r in ranks]
@@ -133,7 +133,7 @@ def test_odd_rank_count_for_shift_one_is_a_policy_error(tmp_path):
 def test_with_bagua_runs_each_algorithm_by_bagua_names(tmp_path):
     """Bagua's classes with Bagua's defaults (hierarchical=True for most) through with_bagua, on a
     script that never enables autopatch itself; async's abort() and resume() twice in a row."""
-    ranks = run_ranks([SUPPORT / "with_bagua_worker.py"], 2, timeout=120, env={"PYTHONPATH": IMPORT_PATH})
+    ranks = run_ranks([SUPPORT / "with_bagua_worker.py"], 2, timeout=patience(120), env={"PYTHONPATH": IMPORT_PATH})
     assert failed(ranks) is None, failed(ranks)
     for r in (rank.results for rank in ranks):
         assert "fuse_optimizer" in r.pop("fused_refused")

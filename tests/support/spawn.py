@@ -19,6 +19,18 @@ ROOT = TESTS.parent
 IMPORT_PATH = os.pathsep.join([str(SUPPORT), str(ROOT / "benchmarks"), str(ROOT)])
 
 
+def patience(seconds):
+    """A time limit for a test's subprocesses: ``seconds`` suits a quiet machine, so it is scaled
+    by how busy this one is now (its load per core, between 1 and 8 times), or by
+    ``AUTOPATCH_TEST_TIMEOUT_SCALE``. A hang still fails the test; a machine shared with other
+    jobs does not."""
+    scale = os.environ.get("AUTOPATCH_TEST_TIMEOUT_SCALE")
+    if scale:
+        return seconds * float(scale)
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return seconds * min(8.0, max(1.0, load))
+
+
 def clean_env(**extra):
     """This environment without FUSEDOPT_* or launcher variables; ``training`` importable."""
     env = {k: v for k, v in os.environ.items()
@@ -29,9 +41,10 @@ def clean_env(**extra):
 
 
 def run_python(args, env=None, cwd=None, timeout=180, python=sys.executable):
+    """``timeout``: seconds on a quiet machine (see ``patience``)."""
     """Run this interpreter (the one with the installed package) and capture its output."""
     return subprocess.run([str(python), *map(str, args)], env=env if env is not None else clean_env(),
-                          cwd=cwd, capture_output=True, text=True, timeout=timeout)
+                          cwd=cwd, capture_output=True, text=True, timeout=patience(timeout))
 
 
 def write_script(path, text):
@@ -56,7 +69,7 @@ def spawn_two_ranks(worker, suite, tmp_path_factory, timeout):
     outputs = []
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
+            outputs.append(p.communicate(timeout=patience(timeout))[0])
     finally:
         for p in procs:
             if p.poll() is None:
