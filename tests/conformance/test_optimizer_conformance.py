@@ -1,0 +1,132 @@
+"""Optimizer conformance: every torch optimizer, run unpatched and under autopatch, trains alike.
+
+Durations on this project's shared 2-core machine (torch 2.13.0 CPU): DURATIONS
+
+Cases are generated from torch's optimizer database (optim_cases.py): each OptimizerInfo's CPU
+inputs x implementations (for-loop, foreach, fused) x parameter kinds (dense, non-contiguous,
+complex, sparse gradients) x learning rate (as given, as a tensor). Each case runs one script
+(scenarios.py: plain steps, a param group added, state_dict round trips named and unnamed and
+across patched and unpatched runs, deepcopy, step hooks, LR schedulers, SWA, an optimizer dropped
+and re-created, two optimizers over a model's halves) unpatched and under one configuration
+(runner.py: modes off, multi_layer, backward and forward, each of those two also with
+``observe_steps: 1``, the default policy, auto racing the modes, policy fast), and checks weights,
+``opt.state``, ``state_dict()``, hook calls, and that nothing is left behind: torch's mode stack,
+global module and optimizer hooks, gradient hooks, optimizers kept alive, objects not restored by
+``disable()``.
+
+The default run takes a deterministic sample: for every optimizer, every scenario in every
+configuration, with the variant rotating (a stable hash orders each optimizer's variants; each
+(scenario, configuration) slot takes the next one that is a case). Policy fast compiles the update of
+optimizers without a fused kernel (tens of seconds per class on this machine), so the default run
+covers it in the optimizers with a fused CPU kernel and, for the compiled route, in the first
+slot of the first other optimizer of the database. The full cross product is marked
+``conformance_full`` and deselected by default:
+
+    PYTHONPATH=$PWD python -m pytest -q -p no:cacheprovider tests/conformance              # sample
+    PYTHONPATH=$PWD python -m pytest -q -p no:cacheprovider tests/conformance -m conformance_full
+
+``CONFORMANCE_SHARD=i/n`` (with ``-m conformance_full``) runs every n-th case of the full product
+from the i-th; ``CONFORMANCE_FINDINGS=path`` appends every failing case's findings there as JSON
+lines.
+"""
+
+import os
+
+import pytest
+
+from .optim_cases import optim_db, fused_on_cpu, stable_hash, torch_rejects, torch_skip, variants
+from .runner import CONFIGS, Case, fail_on_findings, run_case
+from .scenarios import SCENARIOS, applies
+
+FULL = "conformance_full"
+
+
+def _is_case(variant, scenario):
+    return applies(scenario, variant) is None and torch_rejects(variant) is None and torch_skip(variant, scenario) is None
+
+
+def _compiled_fast_class():
+    """The optimizer whose compiled route policy fast exercises in the default run."""
+    return next(info.name for info in optim_db if not fused_on_cpu(info) and not info.step_requires_closure)
+
+
+SLOTS_PER_SCENARIO = 1    # configurations per (optimizer, scenario) in the default sample
+
+
+def _stratified(info):
+    """The optimizer's variants, strata (implementation x parameter kind x learning rate) taking
+    turns, each stratum in an order fixed by a stable hash: the first picks cover every stratum."""
+    strata = {}
+    for v in sorted(variants(info), key=lambda v: stable_hash("order", v.id)):
+        strata.setdefault((v.impl, v.kind, v.lr), []).append(v)
+    order = sorted(strata, key=lambda k: stable_hash("stratum", info.name, k))
+    out = []
+    for i in range(max(len(vs) for vs in strata.values())):
+        out += [strata[k][i] for k in order if i < len(strata[k])]
+    return out
+
+
+def default_sample():
+    """Per optimizer, every scenario in SLOTS_PER_SCENARIO configurations, the configurations
+    rotating with the scenario and the optimizer (a Latin square: every optimizer meets every
+    configuration and every scenario, and every (scenario, configuration) pair meets several
+    optimizers); each slot takes the next variant that is a case for it."""
+    configs = list(CONFIGS.values())
+    cases = []
+    compiled_taken = False
+    for c, info in enumerate(optim_db):
+        pool = _stratified(info)
+        j = 0
+        for s, scenario in enumerate(SCENARIOS):
+            for rep in range(SLOTS_PER_SCENARIO):
+                config = configs[(s + c + rep * (len(configs) // SLOTS_PER_SCENARIO)) % len(configs)]
+                if config.name == "fast" and not fused_on_cpu(info):
+                    if info.name != _compiled_fast_class() or compiled_taken:
+                        continue
+                    compiled_taken = True
+                pick = pool[j % len(pool)]
+                for k in range(len(pool)):
+                    v = pool[(j + k) % len(pool)]
+                    if _is_case(v, scenario):
+                        pick, j = v, j + k
+                        break
+                j += 1
+                cases.append(Case(pick, scenario, config))
+    return cases
+
+
+def full_product(shard=None):
+    """Every variant x scenario x configuration; ``shard`` "i/n" keeps every n-th, from the i-th
+    (1-based), so the full product can be split across processes or machines."""
+    cases = (Case(v, scenario, config) for info in optim_db for v in variants(info)
+             for scenario in SCENARIOS for config in CONFIGS.values())
+    if not shard:
+        return list(cases)
+    i, n = (int(x) for x in shard.split("/"))
+    return [c for k, c in enumerate(cases) if k % n == i - 1]
+
+
+def pytest_generate_tests(metafunc):
+    if "case" not in metafunc.fixturenames:
+        return
+    if metafunc.function.__name__ == "test_full":
+        wanted = FULL in (metafunc.config.getoption("-m", default="") or "")
+        cases = full_product(os.environ.get("CONFORMANCE_SHARD")) if wanted else []
+        if not cases:
+            # Collected only when asked for: the full product has tens of thousands of cases.
+            metafunc.parametrize("case", [pytest.param(None, id="not-collected")])
+            return
+    else:
+        cases = default_sample()
+    metafunc.parametrize("case", cases, ids=[c.id for c in cases])
+
+
+def test_sample(case, conformance):
+    fail_on_findings(run_case(case, *conformance))
+
+
+@pytest.mark.conformance_full
+def test_full(case, conformance):
+    if case is None:
+        pytest.skip("run with -m conformance_full to collect the full cross product")
+    fail_on_findings(run_case(case, *conformance))
