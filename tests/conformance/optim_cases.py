@@ -30,7 +30,7 @@ import torch
 def _import_optim_db():
     """``optim_db``, imported without leaving torch's test-suite settings behind.
 
-    torch's testing helpers import ``expecttest`` (a test-only dependency, in the ``dev`` extra);
+    torch's testing modules import ``expecttest`` (a test-only dependency, in the ``dev`` extra);
     where it is missing, a module with its one name they use (``TestCase``) stands in. Importing
     them also freezes ``torch.backends`` flags and wraps TorchScript calls for torch's own suite:
     both are put back, so the rest of this test session runs on plain torch.
@@ -178,6 +178,7 @@ SCENARIO_TESTS = {
     "swa": ("test_forloop_goes_right_direction",),
     "recreate": ("test_forloop_goes_right_direction",),
     "two_optimizers": ("test_forloop_goes_right_direction",),
+    "user_mode": ("test_forloop_goes_right_direction",),
 }
 IMPL_TESTS = {"foreach": ("test_foreach_matches_forloop",), "fused": ("test_fused_matches_forloop",)}
 KIND_TESTS = {"complex": ("test_complex", "test_complex_2d"), "sparse": ("test_rosenbrock_sparse",)}

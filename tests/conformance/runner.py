@@ -120,6 +120,10 @@ def _compare(case, ref, got, tol, what):
         d = cmp.diff(ref.checkpoint, got.checkpoint, "mid-run checkpoint")
         if d:
             case.found("state_dict() differs", f"{what}: {d}")
+    if ref.records != got.records:
+        first = next(i for i, (a, b) in enumerate(zip(ref.records + [None], got.records + [None])) if a != b)
+        case.found("what the script saw differs", f"{what}: at record {first}: {got.records[first:first + 1]} "
+                                                  f"vs {ref.records[first:first + 1]} unpatched")
     if ref.hook_calls != got.hook_calls:
         extra = collections.Counter(got.hook_calls) - collections.Counter(ref.hook_calls)
         missing = collections.Counter(ref.hook_calls) - collections.Counter(got.hook_calls)

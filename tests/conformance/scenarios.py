@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim import lr_scheduler, swa_utils
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.overrides import TorchFunctionMode
 
 from . import state
 from .optim_cases import INFOS, fused_on_cpu, stable_hash, torch_rejects, variants
@@ -120,6 +121,7 @@ class Outcome:
         self.state_dicts = {}      # label -> deep copy of opt.state_dict()
         self.checkpoint = None     # a state_dict taken mid-run (the state_dict scenario)
         self.hook_calls = []
+        self.records = []          # what the script itself observed along the way
         self.after_last_step = None
         self.refs = []             # (label, weak reference to an optimizer the script built)
         self.dropped_alive = []    # optimizers still alive right after the script dropped them
@@ -243,12 +245,16 @@ def state_dict(ctx, named_first, named_second):
 
 
 def deepcopy(ctx):
-    """``copy.deepcopy((model, optimizer))`` mid-run, then both trained on."""
+    """``copy.deepcopy(optimizer)`` mid-run: the copy holds copies of the parameters (and of their
+    gradients); a second model is built around them and both train on."""
     net = ctx.net()
     opt = ctx.build(net.parameters(), "opt")
     ctx.train(net, [opt])
-    net2, opt2 = copy.deepcopy((net, opt))
+    opt2 = copy.deepcopy(opt)
     ctx.track(opt2, "copy")
+    net2 = Net(ctx.variant, seed=0)            # the same coefficients; its weights become the copy's
+    for leaf, p in zip(net2.leaves, [p for g in opt2.param_groups for p in g["params"]]):
+        leaf.weight = p
     ctx.out.held.extend(net2.parameters())
     for _ in range(ctx.n):
         ctx.train(net, [opt], steps=1)
@@ -356,6 +362,38 @@ def two_optimizers(ctx, partner):
 
 
 @functools.lru_cache(maxsize=None)
+class CountingMode(TorchFunctionMode):
+    """A script's own torch function mode (as a FLOP counter, ``with torch.device(...)`` or a
+    tracing tool would be): counts the torch calls it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def user_mode(ctx):
+    """Each iteration runs inside the script's own TorchFunctionMode: after step() it must still be
+    the innermost mode, and see the calls the script makes for the rest of its block."""
+    net = ctx.net()
+    opt = ctx.build(net.parameters(), "opt")
+    for _ in range(2 * ctx.n):
+        mode = CountingMode()
+        with mode:
+            ctx.train(net, [opt], steps=1)
+            depth = torch._C._len_torch_function_stack()
+            before = mode.calls
+            torch.ones(2).add(1)          # the script's own calls after step(), inside its block
+            ctx.out.records.append({"modes on the stack after step()": depth,
+                                    "calls the script's mode saw after step()": mode.calls - before})
+        ctx.out.records.append({"modes on the stack after the block": torch._C._len_torch_function_stack()})
+    return ctx.finish({"opt": opt}, {"net": net})
+
+
+@functools.lru_cache(maxsize=None)
 def partner_of(variant):
     """Another optimizer of the database for the model's other half, picked by rotation: one with a
     fused CPU kernel (so policy fast compiles nothing for it), same kind of parameters, torch
@@ -377,6 +415,7 @@ SCENARIOS = {
     "swa": swa,
     "recreate": recreate,
     "two_optimizers": two_optimizers,
+    "user_mode": user_mode,
 }
 
 
