@@ -1,7 +1,7 @@
 """One conformance case: a script run unpatched, then under one autopatch configuration, compared.
 
-A case fails with every finding listed, each under a root-cause-like category ("weights differ",
-"torch function mode left on the stack", ...), so one case shows every way it went wrong. Where
+A case fails with every finding listed, each under a category ("weights differ", "torch function
+modes on the stack after the last step()", ...), so one case shows every way it went wrong. Where
 autopatch left the optimizer unpatched and said why, that is recorded (``UNPATCHED``), not failed:
 the results must be identical all the same.
 """
@@ -57,7 +57,7 @@ CONFIGS = {c.name: c for c in [
     Config("off", overrides=(("mode", "off"),), doc="intercept and report only"),
     Config("multi_layer", overrides=(("mode", "multi_layer"),)),
     Config("backward", overrides=(("mode", "backward"),), doc="multi_layer while the first 3 steps are watched"),
-    Config("backward-observe1", overrides=(("mode", "backward"), OBSERVE_ONE), doc="backward from step 2"),
+    Config("backward-observe1", overrides=(("mode", "backward"), OBSERVE_ONE), doc="backward once one step was watched"),
     Config("forward", overrides=(("mode", "forward"),)),
     Config("forward-observe1", overrides=(("mode", "forward"), OBSERVE_ONE)),
     Config("auto", doc="the default policy"),
@@ -66,6 +66,9 @@ CONFIGS = {c.name: c for c in [
     Config("fast", policy="fast", long=True, doc="policy fast: fusion.exact rounding"),
 ]}
 
+# The unpatched runs last used: a variant's scenario is checked in every configuration one after
+# the other, and the configurations of one step count share the unpatched run.
+_REFERENCES = {}
 UNPATCHED = collections.Counter()     # (class, reason) -> cases where autopatch left it unpatched
 FINDINGS_FILE = os.environ.get("CONFORMANCE_FINDINGS")    # JSON lines, one per failing case
 
@@ -217,15 +220,21 @@ def run_case(case, ap, record_property):
     depth = before["torch function modes on the stack"]
     patched_checkpoint = tol = None
     try:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                ref = _run(case, steps, lr_factor=lr_factor)
-        except Exception as e:
-            if not raised_by_torch(e):
-                raise       # the script's own error, not a combination torch refuses
-            pytest.skip(f"torch rejects it unpatched: {type(e).__name__}: {e}"[:300])
-        _check_clean(before, ref, "the unpatched run")
+        key = (variant, case.scenario, steps, lr_factor)
+        ref = _REFERENCES.get(key)
+        if ref is None:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    ref = _run(case, steps, lr_factor=lr_factor)
+            except Exception as e:
+                if not raised_by_torch(e):
+                    raise       # the script's own error, not a combination torch refuses
+                pytest.skip(f"torch rejects it unpatched: {type(e).__name__}: {e}"[:300])
+            _check_clean(before, ref, "the unpatched run")
+            _REFERENCES[key] = ref
+            while len(_REFERENCES) > 2:
+                _REFERENCES.pop(next(iter(_REFERENCES)))
 
         session = config.enable(ap)
         tol = config.tolerance(session, ref.steps)
