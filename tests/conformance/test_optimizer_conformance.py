@@ -3,7 +3,7 @@
 Durations on this project's shared 2-core machine (torch 2.13.0 CPU, 2026-11-25, run under
 ``nice -n 10`` while other work kept the load average at 8-11):
 
-- default run (the sample below, 140 cases): 1 min 12 s wall, 48 s CPU, with Inductor's cache
+- default run (the sample below, 139 cases): 1 min 12 s wall, 48 s CPU, with Inductor's cache
   warm; 2 min 22 s wall, 66 s CPU with it cold (policy fast compiles one optimizer's step);
 - full cross product (``-m conformance_full``, 105,120 cases): one shard of 200
   (``CONFORMANCE_SHARD=1/200``, 576 cases) took 8 min 5 s wall, 4 min 17 s CPU, so about 27 hours
