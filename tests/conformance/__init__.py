@@ -1,0 +1,1 @@
+"""Optimizer conformance suite (see test_optimizer_conformance.py)."""
