@@ -10,6 +10,7 @@ Whatever is still pending is applied before anything could observe stale weights
 ``step()``, ``state_dict()`` of the optimizer or of any module, ``torch.save``, ``flush()`` and
 ``disable()``.
 
+Reading the optimizer's own ``state`` applies everything pending first (``pending_state.py``).
 Parameters read outside their own module's forward before it runs (a weight shared by a functional
 call, an EMA update right after ``step()``) would be stale: mode ``auto`` checks for that first.
 A pending gradient written in place before its update runs (``zero_grad(set_to_none=False)`` is
@@ -22,6 +23,7 @@ from ..torch_internals import own_parameters, version_counter
 from .chunk_step import hyperparameters
 from .multi_layer import split_by_grads
 from .param_swap import ParamSwap
+from .pending_state import apply_on_read, plain_reads
 from .planner import FlatPlanner
 from .routes import Route
 from .strategy import PlannedStrategy, WeakOptimizer
@@ -38,6 +40,7 @@ class ForwardFusion(PlannedStrategy):
         self.by_param = {}     # id(param) -> (id(run), ci) while its chunk is pending
         self.hparams = {}      # group index -> hyperparameters of the step that recorded
         self.lists = ParamSwap()   # the user's params lists while step() runs the rest
+        self.applying = False  # inside _apply: reads of the optimizer's state apply nothing more
         self.deferred = 0
         self.applied_in_forward = 0
         self.fallback_steps = 0
@@ -68,6 +71,7 @@ class ForwardFusion(PlannedStrategy):
             self.lists.put(group, now + plan.rest)
         if self.lists:
             self.deferred += 1
+            apply_on_read(self.opt, self._apply_unless_applying)
         return None
 
     def after_step(self):
@@ -86,7 +90,18 @@ class ForwardFusion(PlannedStrategy):
         if self.pending:
             self._apply(list(self.pending))
 
+    def _apply_unless_applying(self):
+        if not self.applying:
+            self.flush()
+
     def _apply(self, keys):
+        self.applying = True
+        try:
+            self._apply_now(keys)
+        finally:
+            self.applying = False
+
+    def _apply_now(self, keys):
         items = [self.pending.pop(k) for k in keys]
         for _, run, ci, version in items:
             if version_counter(run.chunks[ci].grad) != version:
@@ -118,6 +133,7 @@ class ForwardFusion(PlannedStrategy):
     def deactivate(self):
         self.after_step()
         self.flush()
+        plain_reads(self.opt)
         self.planner.mark_stale()
 
     def describe(self):

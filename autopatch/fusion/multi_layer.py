@@ -104,20 +104,26 @@ class MultiLayerStep(PlannedStrategy):
     def _step_params(self):
         """A route whose kernel takes a list of tensors in one call (torch's fused kernels) gains
         nothing from chunks: it steps the parameters as they are, each reading its own grad (no
-        gathering), and the user's step() gets only the params it steps per tensor."""
+        gathering), and the user's step() gets only the params it steps per tensor, and those
+        the kernel may not take (torch's fused kernels round strided tensors differently)."""
         if self.lists:
             return
-        items = []
+        items, fresh = [], []
+        state = self.opt.state
         for gi, group in enumerate(self.opt.param_groups):
             ready = [p for p in group["params"] if p.grad is not None and not p.grad.is_sparse
-                     and unfusable_param(p) is None]
+                     and unfusable_param(p) is None and p.is_contiguous() and p.grad.is_contiguous()]
             if ready:
-                items += [(gi, p, self.opt.state[p]) for p in ready]
+                fresh += [p for p in ready if p not in state]
+                items += [(gi, p, state[p]) for p in ready]
                 taken = {id(p) for p in ready}
                 self.lists.put(group, [p for p in group["params"] if id(p) not in taken])
         if items:
             self.route.step_chunks(self.opt, items)
             self.fused_steps += 1
+        for p in fresh:        # an optimizer that keeps no state for it (SGD without momentum)
+            if not state[p]:
+                del state[p]
 
     def _route_step(self):
         """Under a rounding route: step the swapped-in chunks through it, and leave the user's

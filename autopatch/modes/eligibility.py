@@ -47,6 +47,10 @@ class Eligibility:
             if not result.fusable:
                 return result.reason
             self.bitwise = result.bitwise if self.bitwise is None else self.bitwise and result.bitwise
+        if self.bitwise is False and self.fusion.exact == "bitwise":
+            return ("the probe found fused updates equal to per-tensor updates only within float rounding "
+                    "(torch's fused kernels round an element by where it lies in the tensor); "
+                    "fusion.exact: bitwise keeps it per tensor")
         return dtensor_rules.probe_refusal(opt, self.bitwise)
 
     def _algorithm_refusal(self, opt, mode):

@@ -31,8 +31,7 @@ from ..vocabulary import BACKWARD
 # Attribute access and metadata queries do not read a tensor's values.
 _METADATA = {"__get__", "__set__", "size", "dim", "numel", "element_size", "is_floating_point",
              "is_complex", "data_ptr", "untyped_storage", "stride", "storage_offset",
-             "is_contiguous", "requires_grad_", "__len__", "__hash__", "_set_grad_enabled",
-             "__repr__", "__format__", "__reduce_ex__", "__deepcopy__"}
+             "is_contiguous", "requires_grad_", "__len__", "__hash__", "_set_grad_enabled"}
 # What zero_grad(set_to_none=False) does to a grad: harmless to both modes (backward fusion has
 # freed the grads by then; forward fusion applies its pending updates before zeroing).
 _ZEROING = {"zero_", "_foreach_zero_", "detach_"}
