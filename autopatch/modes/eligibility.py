@@ -30,6 +30,11 @@ class Eligibility:
 
     def check(self, opt, mode):
         """None when ``mode`` cannot change this optimizer's results, else the reason it might."""
+        return self._setting_refusal(opt, mode) or self._probe_refusal(opt, mode)
+
+    def _setting_refusal(self, opt, mode):
+        """What the setting rules out, whatever the run does: sharded parameters, an algorithm
+        that moves weights, a step torch does not wrap, gradients averaged by someone else."""
         if why := dtensor_rules.mode_refusal(opt, mode):
             return why
         if why := self._algorithm_refusal(opt, mode):
@@ -40,6 +45,9 @@ class Eligibility:
             return (f"gradients are averaged across {dist.world_size()} processes, not all of them by "
                     "autopatch's allreduce (allreduce off, or left to DDP: see the allreduce "
                     "section); an update inside backward would use the local gradient")
+        return None
+
+    def _probe_refusal(self, opt, mode):
         if self.unprobed():
             return None
         for group in opt.param_groups:
@@ -68,11 +76,13 @@ class Eligibility:
             return None
         if not self.fusable:
             return "this optimizer is not fused"
+        if why := self._setting_refusal(opt, mode):
+            return why
         if mode in self.blocked:
             return self.blocked[mode]
         if mode in WATCHED_MODES and not self.watched:
             return "the first steps were not watched"
-        return self.check(opt, mode)
+        return self._probe_refusal(opt, mode)
 
     def averager(self, opt):
         """Across processes, backward fusion updates a chunk once autopatch's allreduce has

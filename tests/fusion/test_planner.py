@@ -36,7 +36,8 @@ def test_parameters_sharing_memory_the_planner_does_not_own_are_left_alone():
     a, b = torch.nn.Parameter(buf[:5]), torch.nn.Parameter(buf[5:])
     whole = torch.nn.Parameter(torch.zeros(20)[:6])           # a view into a larger buffer
     own = torch.nn.Parameter(torch.zeros(4))
-    planner = FlatPlanner(torch.optim.SGD([a, b, whole, own], lr=0.1), 1 << 20)
+    opt = torch.optim.SGD([a, b, whole, own], lr=0.1)       # the planner holds it weakly
+    planner = FlatPlanner(opt, 1 << 20)
     planner.plan()
     assert planner.excluded == {"shares storage with another parameter": 2, "is a view into a larger buffer": 1}
     assert [r.params for r in planner.plans[0].runs] == [[own]]
@@ -46,7 +47,8 @@ def test_runs_already_back_to_back_are_fused_where_they_lie_without_moving_anyth
     buf = torch.arange(10.0)
     a, b = torch.nn.Parameter(buf[:4]), torch.nn.Parameter(buf[4:])
     loose = torch.nn.Parameter(torch.zeros(3))
-    planner = FlatPlanner(torch.optim.SGD([a, b, loose], lr=0.1), 1 << 20, moves_params=False)
+    opt = torch.optim.SGD([a, b, loose], lr=0.1)
+    planner = FlatPlanner(opt, 1 << 20, moves_params=False)
     planner.plan()
     run, = planner.plans[0].runs
     assert run.params == [a, b] and run.flat.data_ptr() == buf.data_ptr()

@@ -5,6 +5,7 @@ its losses, weights and state_dict equal those of the same job run without autop
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch.optim.lr_scheduler import StepLR
 
 import autopatch
 from autopatch.reporting import json_report as telemetry
-from spawn import run_python
+from spawn import IMPORT_PATH, clean_env, run_python
 from training import assert_same, assert_state_equal, batches, mlp, train, weights
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
@@ -158,7 +159,7 @@ EXTRA = {"CountingAdam": lambda ps: CountingAdam(ps, lr=1e-2)}
 def test_subclass_calling_super_step_is_intercepted_once():
     # In a fresh interpreter: the failure can leave autopatch's state behind in this one.
     code = "import test_interception as t; [t.check_all(['CountingAdam'], 'plain', p) for p in ('safe', 'default')]"
-    res = run_python(["-c", code])
+    res = run_python(["-c", code], env=clean_env(PYTHONPATH=f"{IMPORT_PATH}:{Path(__file__).parent}"))
     assert res.returncode == 0, res.stderr[-3000:]
 
 
