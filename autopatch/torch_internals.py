@@ -11,9 +11,9 @@ architecture test (tests/test_architecture.py) fails on a private attribute read
 
 Each entry of ``INTERNALS`` names what it uses, the torch releases it was checked on, and its
 fallback: what autopatch does where the internal is missing or behaves otherwise (a feature left
-off with the reason in the report, never a crash or a silent difference). ``torch_check()``
-(called when the runtime first sees torch) warns once on a torch outside ``TESTED`` and says in
-the report which internals are missing.
+off with the reason in the report, never a crash or a silent difference). ``warn_if_untested()``
+(called when the runtime first sees torch) warns once on a torch outside ``TESTED``, and
+``torch_report()`` says in the report which internals are missing.
 """
 
 import sys
@@ -426,7 +426,8 @@ _warned = []
 def missing():
     """Internal name -> why it is unusable on this torch, for those that are."""
     out = {}
-    if unhooked_step(torch.optim.SGD) is None:
+    optimizer = sys.modules["torch.optim.optimizer"].Optimizer
+    if not (hasattr(optimizer, "profile_hook_step") and hasattr(optimizer, "_patch_step_function")):
         out[STEP_WRAPPER.name] = f"torch {torch.__version__} does not wrap Optimizer.step as expected"
     why = dynamo_available()
     if why:
@@ -434,17 +435,25 @@ def missing():
     return out
 
 
-def torch_check():
-    """The report's ``torch`` section; warns once when this torch is outside the tested range."""
+def tested():
     version = _version()
-    tested = f"{version[0]}.{version[1]}" in TESTED
-    out = {"version": torch.__version__, "tested": tested, "tested_releases": list(TESTED),
-           "missing_internals": {k: v for k, v in missing().items()}}
-    if version < FLOOR:
-        out["note"] = f"older than the declared floor {FLOOR[0]}.{FLOOR[1]}"
-    if not tested and not _warned:
+    return f"{version[0]}.{version[1]}" in TESTED
+
+
+def warn_if_untested():
+    """One warning per process on a torch outside the tested releases (torch may still be
+    importing: only its version is read)."""
+    if not tested() and not _warned:
         _warned.append(True)
         warnings.warn(f"autopatch was not tested on torch {torch.__version__} (tested: {', '.join(TESTED)}); "
                       "it runs, and leaves off whatever needs an internal this torch lacks (see the "
                       "report's torch section)", RuntimeWarning, stacklevel=3)
+
+
+def torch_report():
+    """The report's ``torch`` section: this torch, whether it was tested, what it lacks."""
+    out = {"version": torch.__version__, "tested": tested(), "tested_releases": list(TESTED),
+           "missing_internals": missing()}
+    if _version() < FLOOR:
+        out["note"] = f"older than the declared floor {FLOOR[0]}.{FLOOR[1]}"
     return out

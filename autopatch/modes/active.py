@@ -165,14 +165,14 @@ class ActiveMode:
         if reason is not None:
             self.mode, self.reason = OFF, reason
 
-    def forget(self, reason):
-        """The optimizer was freed: keep what its strategy reports, let the strategy (and the flat
-        buffers, which hold the parameters) go; nothing is applied, there is nothing to apply to."""
+    def forget(self):
+        """The optimizer was freed: keep what its strategy reports (and the mode that ran, for
+        the report), let the strategy and its flat buffers, which hold the parameters, go;
+        nothing is applied, there is nothing to apply to."""
         if self.strategy is not None:
             self.final_fusion = self.strategy.describe()
             self.forward_reads.untrack(self.strategy)
         self.strategy = None
-        self.mode, self.reason = OFF, reason
 
     def describe(self):
         """The report's ``fusion`` entry, or None when nothing was ever fused."""

@@ -44,6 +44,7 @@ class OptimizerController:
                                  self.eligibility.averager, route_of=lambda: self.chooser.route,
                                  on_switch=lambda: events.emit("switch", self),
                                  on_fall_back=lambda: self.chooser.stop("autopatch fell back"))
+        self.freed = False            # the optimizer was garbage-collected; its report stays
         self.interception = StepInterception(opt, self)
         self._apply(opt, self.chooser.before_any_step())
         weakref.finalize(opt, self._optimizer_freed)
@@ -93,7 +94,8 @@ class OptimizerController:
     def _optimizer_freed(self):
         """The optimizer is gone: nothing more is decided, and nothing of its is kept but the report."""
         self.chooser.stop(FREED)
-        self.active.forget(FREED)
+        self.active.forget()
+        self.freed = True
 
     def shares_parameters(self, other):
         """Another optimizer (``other``, its qualified name) was adopted over some of this one's
@@ -128,6 +130,8 @@ class OptimizerController:
             out["fusion"] = fusion
         if self.overridden:
             out["steps_taken_over"] = dict(self.overridden)
+        if self.freed:
+            out["freed"] = True
         out.update(self.chooser.describe())
         return out
 

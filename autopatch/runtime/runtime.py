@@ -79,9 +79,9 @@ class Runtime:
         if self._optimizers_patched:
             return
         self._optimizers_patched = True
-        from ..torch_internals import torch_check
-        torch_section = torch_check()        # warns once on a torch outside the tested releases
-        self.sections.add("torch", lambda: torch_section)
+        from ..torch_internals import torch_report, warn_if_untested
+        warn_if_untested()
+        self.sections.add("torch", torch_report)
         self.ledger.wrap(optim.Optimizer, "__init__", self._after_init)
         gc.collect()   # adopt live optimizers only, not garbage awaiting collection
         for obj in gc.get_objects():

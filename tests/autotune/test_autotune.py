@@ -68,7 +68,7 @@ def test_search_explores_freezes_best_and_trains_like_unpatched(ap, tmp_path):
     assert len(tune["trials"]) >= 5
     assert tune["best"]["score"] == max(t["score"] for t in tune["trials"])
     assert tune["applied"][-1][1] == tune["best"]["config"]
-    assert rep["optimizers"][0]["mode"] == tune["best"]["config"]["mode"]
+    assert rep["optimizers"][0]["mode"] == tune["best"]["config"]["mode"], rep["optimizers"]
     assert tune["cost"]["search_seconds"] > 0
     assert_same(losses, ref_losses)
     assert_same(weights(model), weights(ref_model))
