@@ -81,6 +81,7 @@ class DDPTakeover:
         self.reducers = weakref.WeakKeyDictionary()     # DDP model -> BucketedAllreduce, while in charge
         self.algorithms = ModelAlgorithms(self._dropped)
         self.log = TakeoverLog(warn)
+        self.groups = weakref.WeakKeyDictionary()       # every DDP model seen -> its process group
         # on_averaged() callbacks by handle id; torch's RemovableHandle needs a weakref-able dict
         self._listeners = collections.OrderedDict()
 
@@ -114,6 +115,7 @@ class DDPTakeover:
     def adopt(self, ddp):
         if ddp in self.reducers:
             return
+        self.groups[ddp] = ddp.process_group
         reducer = algorithm = None
         try:
             reason = _unsupported(ddp)
@@ -259,6 +261,15 @@ class DDPTakeover:
         self.log.set_algorithm(entry, algorithm)
         if algorithm is not None:
             self.algorithms.add(ddp, algorithm)
+        return None
+
+    def group_of(self, params):
+        """The process group of the DDP model (taken over or left to DDP) holding any of
+        ``params``, or None when none does."""
+        ids = {id(p) for p in params}
+        for ddp in list(self.groups):
+            if any(id(p) in ids for p in ddp.module.parameters()):
+                return self.groups[ddp]
         return None
 
     def algorithm_of(self, params):

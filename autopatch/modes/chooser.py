@@ -16,6 +16,7 @@ decision with its reason.
 Autotune may also switch the mode at run time; ``chosen_by`` says who set the mode in effect.
 """
 
+import functools
 import sys
 from typing import NamedTuple, Optional
 
@@ -179,12 +180,13 @@ class ModeChooser:
             else:
                 allowed.append(mode)
         agree = None
-        if dist.world_size() > 1:
-            everywhere = dist.gather(allowed)
+        group = self.eligibility.process_group(opt) if dist.world_size() > 1 else None
+        if group is not None:       # a model several ranks train: they walk one schedule
+            everywhere = dist.gather(allowed, group)
             for mode in [m for m in allowed if not all(m in other for other in everywhere)]:
                 allowed.remove(mode)
                 ruled_out[mode] = "ruled out in another process"
-            agree = dist.agree
+            agree = functools.partial(dist.agree, group=group)
         device = next((p.device for g in opt.param_groups for p in g["params"]), torch.device("cpu"))
         first = self.auto.start(allowed, ruled_out, why, step, device, agree, current=current)
         if first is None:
