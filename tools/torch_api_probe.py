@@ -99,6 +99,30 @@ def _():
     return not failing, detail + (f"; state made in __init__ by {', '.join(eager)}" if eager else "")
 
 
+@check("AdamW is an Adam subclass (qadam continues both with Adam's own step)",
+       "comm/algorithms/qadam.py:50 (unsupported), 154-155 (_decoupled), 210-215 (_adam_step)")
+def _():
+    sub = issubclass(torch.optim.AdamW, torch.optim.Adam)
+    decoupled = "decoupled_weight_decay" in torch.optim.Adam(params()).defaults
+    return sub, (f"issubclass={sub}; Adam takes decoupled_weight_decay={decoupled}"
+                 + ("" if sub else ": qadam refuses AdamW ('continues torch.optim.Adam and AdamW only')"))
+
+
+@check("Adam's state after a step: 0-dim float32 CPU 'step', exp_avg, exp_avg_sq", "comm/algorithms/qadam.py:137-164")
+def _():
+    ps = params()
+    opt = torch.optim.Adam(ps, amsgrad=True)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state = opt.state[ps[0]]
+    step = state.get("step")
+    ok = (isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == torch.float32
+          and {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"} <= set(state))
+    kind = f"{step.dtype} {tuple(step.shape)}" if isinstance(step, torch.Tensor) else type(step).__name__
+    return ok, f"keys {sorted(state)}, step {kind}"
+
+
 @check("Optimizer._init_group marked by dynamo (_torchdynamo_disable)", "fusion/rounding.py:163-165")
 def _():
     init_group = torch.optim.Adam._init_group

@@ -403,8 +403,24 @@ def one_version(version, args):
         if "apis" in args.legs:
             result["apis"] = probe_apis(version, python, outdir, args)
     result["seconds"] = round(time.monotonic() - started, 1)
+    result["finished"] = time.strftime("%Y-%m-%d %H:%M")
+    carry_over(result, outdir / f"results-{version}.json", args.legs)
     (outdir / f"results-{version}.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def carry_over(result, path, legs):
+    """Keep the previous run's result of each leg not run this time (same torch build), so that
+    rerunning one leg, or resuming, still gives the whole table."""
+    if not path.exists():
+        return
+    previous = json.loads(path.read_text())
+    if previous.get("torch") != result.get("torch"):
+        return
+    for leg in ("quickstart", "tests", "apis"):
+        if leg not in legs and leg in previous:
+            ran = previous[leg].get("carried_over") or previous.get("finished")
+            result[leg] = dict(previous[leg], carried_over=ran)
 
 
 def legs_cell(result):
@@ -447,6 +463,10 @@ def version_notes(r):
     for name, msg in r.get("tests", {}).get("failures", {}).items():
         rerun = f" (alone: {alone[name]})" if name in alone else ""
         out.append(f"- `{name}`{rerun}: {msg}")
+    earlier = sorted({f"{leg} ({r[leg]['carried_over'] or 'earlier'})" for leg in ("quickstart", "tests", "apis")
+                      if r.get(leg, {}).get("carried_over", False) is not False})
+    if earlier:
+        out.append(f"- from an earlier run: {', '.join(earlier)}")
     if r.get("apis", {}).get("error"):
         out.append(f"- API probe: {r['apis']['error']}")
     for c in r.get("apis", {}).get("checks", []):
