@@ -125,9 +125,9 @@ def capture(python, code, timeout=120):
 
 # -- the install leg -------------------------------------------------------------------------------
 
-def venv_state(venv, version):
+def venv_state(venv, version, want_extras=True):
     """Why ``venv`` cannot be reused as it is, or None when it is healthy: the asked torch
-    imports and the marker says this repository was installed into it."""
+    imports and the marker says this repository (with its extras, when wanted) was installed."""
     python = venv / "bin" / "python"
     if not python.exists():
         return "no venv"
@@ -142,6 +142,8 @@ def venv_state(venv, version):
     recorded = json.loads(marker.read_text())
     if recorded.get("repo") != str(REPO):
         return f"autopatch installed from {recorded.get('repo')}"
+    if want_extras and not recorded.get("extras"):
+        return "installed without the extras"
     if capture(python, "import autopatch") is None:
         return "autopatch does not import"
     return None
@@ -169,7 +171,7 @@ def pip_conflict(log_path):
 def install(version, venv, outdir, args):
     """Build or reuse the venv for ``version``. Returns the install part of the results."""
     result = {"venv": str(venv), "legs": {}}
-    reason = "rebuild asked" if args.rebuild else venv_state(venv, version)
+    reason = "rebuild asked" if args.rebuild else venv_state(venv, version, not args.core_only)
     if reason is None:
         log(f"torch {version}: reusing healthy venv {venv}")
         result.update(status="reused", extras=json.loads((venv / MARKER).read_text()).get("extras", True))
@@ -193,13 +195,17 @@ def install(version, venv, outdir, args):
     if code != 0:
         return dict(result, status="failed", error="torch did not install: " + describe_exit(code),
                     pip=pip_conflict(log_path))
-    log(f"torch {version}: pip install -e '.[{EXTRAS}]' with torch pinned")
-    code, secs = pip(venv, ["-e", f"{REPO}[{EXTRAS}]"], constraint, log_path, args.install_timeout)
-    result["legs"]["install_extras"] = secs
+    code = None
+    if not args.core_only:
+        log(f"torch {version}: pip install -e '.[{EXTRAS}]' with torch pinned")
+        code, secs = pip(venv, ["-e", f"{REPO}[{EXTRAS}]"], constraint, log_path, args.install_timeout)
+        result["legs"]["install_extras"] = secs
     result["extras"] = code == 0
     if code != 0:
-        result["extras_error"] = pip_conflict(log_path)
-        log(f"torch {version}: the extras do not install beside it; installing the core package and pytest")
+        if not args.core_only:
+            result["extras_error"] = pip_conflict(log_path)
+            log(f"torch {version}: the extras do not install beside it")
+        log(f"torch {version}: installing the core package and pytest")
         code, secs = pip(venv, ["-e", str(REPO), "pytest"], constraint, log_path, args.install_timeout)
         result["legs"]["install_core"] = secs
         if code != 0:
@@ -486,12 +492,15 @@ def parse_args(argv):
     ap.add_argument("--out", default=str(REPO / "runs" / "torch-matrix"),
                     help="logs and results-*.json, results.md, results.json (default %(default)s)")
     ap.add_argument("--tests", default="quick",
-                    help="all, quick (the fusion, interception, FSDP and allreduce files) or pytest arguments")
+                    help="all, quick (nine files: fusion modes, interception, multi_layer, rounding, unflattenable, "
+                         "grad semantics, FSDP, allreduce, algorithms) or pytest arguments as one string")
     ap.add_argument("--legs", default="quickstart,tests,apis",
                     help="comma-separated subset of quickstart,tests,apis (the install always runs)")
     ap.add_argument("--rerun-failures", type=int, default=10, metavar="N",
                     help="rerun up to N failed tests one by one, to tell load from torch (0: never)")
     ap.add_argument("--rebuild", action="store_true", help="delete and rebuild each venv")
+    ap.add_argument("--core-only", action="store_true",
+                    help="install the package without its extras (and pytest): does the core work on X?")
     ap.add_argument("--python", default=sys.executable, help="the interpreter venvs are made from")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for the quick start")
     ap.add_argument("--install-timeout", type=int, default=1800, help="seconds per pip command")
