@@ -220,8 +220,9 @@ def _():
     return "add" in names, f"saw {names}"
 
 
-@check("a torch.compile'd module runs under a global forward pre-hook that records into a dict",
-       "modes/watch.py:73, 99-103 (Observation._on_module, mode auto's watch)")
+@check("dynamo traces a global forward pre-hook that records into a dict and a set",
+       "modes/watch.py:73, 99-103 (Observation._on_module; torch's part only: the crash on 2.10-2.11 "
+       "also needs the watch's TorchFunctionMode, see test_a_compiled_model_rules_out_forward)")
 def _():
     findings, entered = {}, set()
 
@@ -372,7 +373,9 @@ def _():
 
 @check("parameters get _in_backward_optimizers from apply_optimizer_in_backward", "comm/takeover.py:72")
 def _():
-    import torch.distributed.optim as dopt
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # 2.4: "TorchScript support for functional optimizers is deprecated"
+        import torch.distributed.optim as dopt
     fn = getattr(dopt, "_apply_optimizer_in_backward", None)
     if fn is None:
         return False, "torch.distributed.optim._apply_optimizer_in_backward is missing"
