@@ -174,7 +174,8 @@ def install(version, venv, outdir, args):
     reason = "rebuild asked" if args.rebuild else venv_state(venv, version, not args.core_only)
     if reason is None:
         log(f"torch {version}: reusing healthy venv {venv}")
-        result.update(status="reused", extras=json.loads((venv / MARKER).read_text()).get("extras", True))
+        marker = json.loads((venv / MARKER).read_text())
+        result.update(status="reused", extras=marker.get("extras", True), built=marker.get("legs", {}))
         return result
     log(f"torch {version}: installing into {venv} ({reason})")
     log_path = outdir / f"install-{version}.log"
@@ -214,7 +215,8 @@ def install(version, venv, outdir, args):
     installed = capture(venv / "bin" / "python", "import torch; print(torch.__version__)")
     if installed is None or not version_matches(version, installed):
         return dict(result, status="failed", error=f"torch {installed} imports, not {version}")
-    (venv / MARKER).write_text(json.dumps({"repo": str(REPO), "torch": installed, "extras": result["extras"]}))
+    (venv / MARKER).write_text(json.dumps({"repo": str(REPO), "torch": installed, "extras": result["extras"],
+                                           "legs": result["legs"]}))
     return dict(result, status="installed" if result["extras"] else "core only")
 
 
@@ -430,7 +432,9 @@ def carry_over(result, path, legs):
 
 
 def legs_cell(result):
-    legs = {}
+    """Each leg's wall time; a reused venv's install legs are those of its build."""
+    built = {f"{k} (at build)": v for k, v in result["install"].get("built", {}).items()}
+    legs = dict(built)
     for part in ("install", "quickstart", "tests", "apis"):
         legs.update(result.get(part, {}).get("legs", {}))
     return ", ".join(f"{k} {v:.0f}s" for k, v in legs.items())
@@ -486,8 +490,8 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    ap.add_argument("-v", "--versions", nargs="+", default=RELEASES + ([floor] if floor else []),
-                    help=f"torch versions (default: {' '.join(RELEASES)} and the declared floor {floor})")
+    ap.add_argument("-v", "--versions", nargs="+", default=([floor] if floor else []) + RELEASES,
+                    help=f"torch versions (default: the declared floor {floor}, then {' '.join(RELEASES)})")
     ap.add_argument("--venv-root", default="/work/venvs", help="venvs go to VENV_ROOT/torch-X (default %(default)s)")
     ap.add_argument("--out", default=str(REPO / "runs" / "torch-matrix"),
                     help="logs and results-*.json, results.md, results.json (default %(default)s)")
