@@ -528,7 +528,8 @@ def main(argv=None):
     print(text)
     bad = [r["version"] for r in results if r["install"]["status"] == "failed"
            or r.get("quickstart", {}).get("identical") is False
-           or any(r.get("tests", {}).get("counts", {}).get(k) for k in ("failed", "error"))]
+           or any(r.get("tests", {}).get("counts", {}).get(k) for k in ("failed", "error"))
+           or r.get("tests", {}).get("complete") is False]
     log(f"done: {len(results) - len(bad)} of {len(results)} versions clean" + (f"; not: {' '.join(bad)}" if bad else ""))
     return 1 if bad else 0
 
