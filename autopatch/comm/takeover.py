@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..patching import Ledger
 from ..policy import PolicyError
-from ..topology import why_not_hierarchical
+from ..topology import topology, why_not_hierarchical
 from ..torch_internals import DDP_HANDING_BACK, applied_in_backward, ddp_reducer_params, ddp_unsupported
 from .algorithm_choice import AlgorithmChoice
 from .allreduce import BucketedAllreduce
@@ -82,6 +82,7 @@ class DDPTakeover:
         self.algorithms = ModelAlgorithms(self._dropped)
         self.log = TakeoverLog(warn)
         self.groups = weakref.WeakKeyDictionary()       # every DDP model seen -> its process group
+        self.topology = None     # the job's nodes, once a model over the whole world was built
         # on_averaged() callbacks by handle id; torch's RemovableHandle needs a weakref-able dict
         self._listeners = collections.OrderedDict()
 
@@ -116,6 +117,8 @@ class DDPTakeover:
         if ddp in self.reducers:
             return
         self.groups[ddp] = ddp.process_group
+        if self.topology is None and why_not_hierarchical(ddp.process_group) is None:
+            self.topology = topology()       # every rank builds the model: a good moment to ask
         reducer = algorithm = None
         try:
             reason = _unsupported(ddp)
@@ -227,7 +230,7 @@ class DDPTakeover:
 
     # -- report and removal -------------------------------------------------------------------
     def describe(self):
-        return self.log.describe(self.choice, self.options)
+        return self.log.describe(self.choice, self.options, self.topology)
 
     def remove(self):
         """Give every model back to DDP's own reducer, close every algorithm, and restore the

@@ -23,8 +23,11 @@ def summary(report):
     if algorithm and report["allreduce"]["active"]:
         settings = ", ".join(f"{k} {v}" for k, v in algorithm["settings"].items())
         extra = "".join(f", {k.replace('_', ' ')} {algorithm[k]}" for k in ("averaging_rounds", "phase") if k in algorithm)
-        lines.append(f"  communication: {algorithm['name']} ({settings}): {algorithm['bytes_sent_per_step']} bytes "
-                     f"sent per step, {algorithm['wait_seconds']:.3f} s waiting{extra}")
+        topology = report["allreduce"].get("topology")
+        nodes = "" if topology is None else (f" on {topology['nodes']} node(s) of {'+'.join(map(str, topology['ranks_per_node']))} "
+                                             f"ranks (leaders {', '.join(map(str, topology['leaders']))})")
+        lines.append(f"  communication: {algorithm['name']} ({settings}){nodes}: {algorithm['bytes_sent_per_step']} "
+                     f"bytes sent per step, {algorithm['wait_seconds']:.3f} s waiting{extra}")
     return "\n".join(lines)
 
 
