@@ -114,14 +114,17 @@ class Runtime:
 
     def _describe_collectives(self):
         """The allreduce section; with sharded parameters it says their collectives stay FSDP's."""
-        from ..reporting.sharded_params import note_collectives
         if self.comm is not None:
             section = self.comm.describe()
         elif self.policy.allreduce.enabled is False:
             section = {"active": False, "reason": "allreduce.enabled is false"}
         else:
             section = {"active": False, "reason": "DistributedDataParallel was never imported"}
-        return note_collectives(section, [o for o in (c.optimizer for c in self.controllers) if o is not None])
+        optimizers = [o for o in (c.optimizer for c in self.controllers) if o is not None]
+        if not optimizers:        # nothing sharded to speak of (and torch may not be imported at all)
+            return section
+        from ..reporting.sharded_params import note_collectives
+        return note_collectives(section, optimizers)
 
     def _after_init(self, wrapped, instance, args, kwargs):
         wrapped(*args, **kwargs)
