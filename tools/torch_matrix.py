@@ -42,9 +42,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 EXTRAS = "dev,autotune,tensorboard,integrations"
 RELEASES = ["2.11.0", "2.13.0", "2.14.1", "2.15.0"]
-QUICK_TESTS = ["tests/test_fusion_modes.py", "tests/test_interception.py", "tests/test_multi_layer.py",
-               "tests/test_exact_rounding.py", "tests/test_unflattenable.py", "tests/test_grad_semantics.py",
-               "tests/test_fsdp.py", "tests/test_allreduce.py", "tests/test_algorithms.py"]
+QUICK_TESTS = ["tests/modes/test_fusion_modes.py", "tests/modes/test_interception.py",
+               "tests/modes/test_grad_semantics.py", "tests/modes/test_watch.py",
+               "tests/fusion/test_multi_layer.py", "tests/fusion/test_routes.py",
+               "tests/fusion/test_unflattenable.py", "tests/fusion/test_local_shards.py",
+               "tests/comm/test_allreduce.py", "tests/comm/test_algorithms.py", "tests/conformance"]
 MARKER = "torch_matrix.json"          # written into a venv once its install finished
 LOSS_LINE = re.compile(r"^step\s+\d+\s+loss\s+\S+$")
 ACCURACY = re.compile(r"(\d+) tensors \((\d+) weights\).*test accuracy ([\d.]+)%")
@@ -295,6 +297,9 @@ def test_args(selection):
     if selection == "all":
         return ["tests"]
     if selection == "quick":
+        missing = [path for path in QUICK_TESTS if not (REPO / path).exists()]
+        if missing:
+            raise SystemExit(f"the quick test list names files that moved: {', '.join(missing)}")
         return QUICK_TESTS
     return shlex.split(selection)
 
