@@ -501,8 +501,8 @@ def parse_args(argv):
     ap.add_argument("--out", default=str(REPO / "runs" / "torch-matrix"),
                     help="logs and results-*.json, results.md, results.json (default %(default)s)")
     ap.add_argument("--tests", default="quick",
-                    help="all, quick (nine files: fusion modes, interception, multi_layer, rounding, unflattenable, "
-                         "grad semantics, FSDP, allreduce, algorithms) or pytest arguments as one string")
+                    help="all, quick (the files in QUICK_TESTS: fusion modes, interception, grad semantics, the watch, multi_layer, routes, unflattenable, "
+                         "local shards, allreduce, algorithms, the conformance suite) or pytest arguments as one string")
     ap.add_argument("--legs", default="quickstart,tests,apis",
                     help="comma-separated subset of quickstart,tests,apis (the install always runs)")
     ap.add_argument("--rerun-failures", type=int, default=10, metavar="N",
