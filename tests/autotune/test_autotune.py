@@ -12,50 +12,10 @@ import pytest
 import torch
 
 from spawn import clean_env, patience, run_python, write_script
+from autotune_job import FAST, FAST_YAML, job
 from training import assert_same, batches, mlp, train, weights
 
 pytest.importorskip("bayes_opt")
-
-# Short trials on a small model: about 20 steps each, a few seconds for the whole search.
-FAST = {"warmup_steps": 3, "trial_seconds": 0.02, "windows": 3, "max_samples": 6,
-        "bounds": {"chunk_size_2p": [8, 14]}}
-FAST_YAML = """
-version: 1
-autotune:
-  enabled: true
-  knobs: [mode, chunk_size_2p]
-  warmup_steps: 3
-  trial_seconds: 0.02
-  windows: 3
-  max_samples: 6
-  bounds: {chunk_size_2p: [8, 14]}
-"""
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two threads on two shared cores make step times erratic; the search needs steady ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def job(steps=None, until_frozen=None, limit=5000, after=20):
-    """Train ``steps`` steps, or (autotuned) until ``after`` steps past the freeze: trials last
-    seconds, so how many steps a search takes depends on the machine's speed."""
-    torch.manual_seed(0)
-    model = mlp(width=32, depth=8)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses, frozen_at = [], None
-    for i, batch in enumerate(batches(steps or limit, width=32, batch=16)):
-        losses += train(model, opt, [batch])
-        if until_frozen and frozen_at is None and i % 10 == 0 and until_frozen.report()["autotune"]["phase"] == "frozen":
-            frozen_at = i
-        if frozen_at is not None and i == frozen_at + after:
-            break
-    return model, losses
-
 
 def test_search_explores_freezes_best_and_trains_like_unpatched(ap, tmp_path):
     ap.enable("autotune", autotune={**FAST, "log_csv": str(tmp_path / "trials.csv"),
