@@ -30,9 +30,12 @@ from .auto import AutoMode
 from .watch import CLOSURE, Observation
 
 NEW, WATCHING, MEASURING, SETTLED, STOPPED = "new", "watching", "measuring", "settled", "stopped"
-# Mode auto sets nothing up before an optimizer's second step: one that lives for a step (a
-# learning-rate finder's, a test's, a throw-away copy) costs its adoption alone.
-FIRST_STEP = "auto: unpatched for its first step; watched from the second"
+# Mode auto sets nothing up before an optimizer's third step: one that lives for a step or two (a
+# learning-rate finder's, a warm-up's, a test's, a throw-away copy) costs its adoption alone, where
+# watching an iteration (every tensor operation on the parameters through Python) would cost more
+# than the steps themselves on a small model (benchmarks/bench_short_lived.py).
+UNWATCHED_STEPS = 2
+FIRST_STEP = f"auto: unpatched for its first {UNWATCHED_STEPS} steps; watched from the next"
 
 
 class Decision(NamedTuple):
@@ -88,7 +91,7 @@ class ModeChooser:
         if self.observation is not None:
             self.observation.on_step(closure)
         if self.phase == NEW:
-            if self.auto is not None and step == 1:
+            if self.auto is not None and step <= UNWATCHED_STEPS:
                 return Decision(OFF, FIRST_STEP)
             return self._first_step(opt, step, current)
         if self.observation is None and self.eligibility.fusable:

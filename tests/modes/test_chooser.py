@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from autopatch import policy
-from autopatch.modes.chooser import FIRST_STEP, MEASURING, NEW, SETTLED, STOPPED, WATCHING, ModeChooser
+from autopatch.modes.chooser import (FIRST_STEP, MEASURING, NEW, SETTLED, STOPPED, UNWATCHED_STEPS, WATCHING,
+                                     ModeChooser)
 from autopatch.modes.eligibility import Eligibility
 from autopatch.modes.watch import ACCUMULATION, CLOSURE
 from autopatch.runtime.comm_view import CommView
@@ -74,34 +75,39 @@ def test_what_the_watch_sees_rules_a_named_mode_out():
     assert ACCUMULATION in c.eligibility.blocked["backward"]
 
 
-def test_auto_leaves_the_first_step_unpatched_and_sets_nothing_up():
-    """An optimizer that lives one step (a probe, a test) costs nothing: no watch, no race."""
+def unwatched_steps(c, opt):
+    """The steps auto leaves alone before it sets anything up."""
+    for n in range(1, UNWATCHED_STEPS + 1):
+        d = c.step_begins(opt, None, n, "off")
+        assert d.mode == "off" and d.reason == FIRST_STEP and c.phase == NEW and c.observation is None
+        step(opt)
+        assert c.step_ends(opt, n, "off") is None
+    return UNWATCHED_STEPS
+
+
+def test_auto_leaves_the_first_steps_unpatched_and_sets_nothing_up():
+    """An optimizer that lives a step or two (a warm-up, a test) costs nothing: no watch, no race."""
     c, opt = chooser(observe_steps=1, auto_candidates=["multi_layer", "forward"])
-    d = c.step_begins(opt, None, 1, "off")
-    assert d.mode == "off" and d.reason == FIRST_STEP and c.phase == NEW and c.observation is None
+    assert unwatched_steps(c, opt) == 2
 
 
-def test_auto_without_watched_candidates_measures_from_the_second_step():
+def test_auto_without_watched_candidates_measures_after_the_unwatched_steps():
     c, opt = chooser(auto_candidates=["multi_layer"])
-    assert c.step_begins(opt, None, 1, "off").reason == FIRST_STEP
-    step(opt)
-    c.step_ends(opt, 1, "off")
-    assert c.step_begins(opt, None, 2, "off").mode in ("off", "multi_layer") and c.phase == MEASURING
+    n = unwatched_steps(c, opt) + 1
+    assert c.step_begins(opt, None, n, "off").mode in ("off", "multi_layer") and c.phase == MEASURING
 
 
 def test_auto_watches_unpatched_then_measures_then_settles():
     c, opt = chooser(observe_steps=1, measure_steps=16, auto_candidates=["multi_layer", "forward"])
-    assert c.step_begins(opt, None, 1, "off").reason == FIRST_STEP
+    n = unwatched_steps(c, opt) + 1
+    assert c.step_begins(opt, None, n, "off").mode == "off" and c.phase == WATCHING
     step(opt)
-    c.step_ends(opt, 1, "off")
-    assert c.step_begins(opt, None, 2, "off").mode == "off" and c.phase == WATCHING
+    assert c.step_ends(opt, n, "off") is None     # the watched window is the iteration after a step
+    c.step_begins(opt, None, n + 1, "off")
     step(opt)
-    assert c.step_ends(opt, 2, "off") is None     # the watched window is the iteration after a step
-    c.step_begins(opt, None, 3, "off")
-    step(opt)
-    d = c.step_ends(opt, 3, "off")
+    d = c.step_ends(opt, n + 1, "off")
     assert c.phase == MEASURING and d.mode in ("off", "multi_layer", "forward")
-    current, n = d.mode, 3
+    current, n = d.mode, n + 1
     while c.phase == MEASURING:
         n += 1
         c.step_begins(opt, None, n, current)

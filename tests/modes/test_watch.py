@@ -166,7 +166,7 @@ run = torch.compile(model, backend="eager") if compiled else model
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 held = list(model.parameters())          # an EMA over a list taken once
 ema = [p.detach().clone() for p in held]
-for _ in range(4):
+for _ in range(6):                       # 2 steps unpatched, 2 watched, 2 more
     run(torch.randn(3, 4)).sum().backward()
     nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
