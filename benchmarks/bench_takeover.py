@@ -1,8 +1,8 @@
 """What autopatch's takeover of DDP's gradient sync costs per step, against DDP's own, on models so
 small that the per-step cost of the sync, not its bytes, is what is measured.
 
-N gloo ranks on 127.0.0.1 (2 and 4 by default) train one unchanged DDP script (``--worker``) for
-``--steps`` steps; each contender is a job of its own, started zero-code:
+N gloo ranks on 127.0.0.1 (2 and 4 by default) train one unchanged DDP script (``--worker``); each
+contender is a job of its own, started zero-code:
 
 - ``ddp``: torch's DistributedDataParallel, autopatch off (the baseline);
 - ``intercept``: ``FUSEDOPT_ENABLE=1`` with ``allreduce.enabled: false``: autopatch's optimizer
@@ -19,14 +19,20 @@ ReLU, Linear(50, 4, bias=False), softmax; SGD lr 0.01; MSELoss on a fresh ``rand
 ``randn(4, 4)`` per step), and ``mlp``, a 4 x Linear(512, 512) ReLU stack with a 10-way head
 (4.0 MiB of float32 gradients, batch 32, cross-entropy, SGD) where the sync's bytes matter.
 
-Contenders alternate within one run, the first of each round rotating. Per job: rank 0's median
-step after ``--warmup`` steps (and its mean, the job's time over its steps); per contender: the
-median over rounds, and its ratio to ``ddp``, the median of per-round ratios. Every job also
-hashes rank 0's final weights, to show which contenders trained exactly as DDP did.
+Every contender's job starts once, runs ``--warmup`` steps, and then the jobs take turns
+(``harness/relay.py``): round after round, the first of each round rotating, each job runs a block
+of ``--block`` steps (``--mlp_block`` for the mlp) while the others wait, so load from other work
+on this shared machine falls on every contender alike and no start-up is timed. Per block: rank 0's
+median step, its mean step and its CPU time per step (the process's, gloo's threads included);
+per contender: the medians over rounds, and its ratio to ``ddp``, the median of per-round ratios
+(both blocks measured within a second or so of each other). Every job hashes rank 0's final
+weights, to show which contenders trained exactly as DDP did (every job trains the same steps on
+the same batches).
 
     python benchmarks/bench_takeover.py                        # tiny and mlp, 2 and 4 ranks
     python benchmarks/bench_takeover.py --baseline ../old      # old and new in the same rounds
     python benchmarks/bench_takeover.py --profile gradient_allreduce --ranks 2   # cProfile rank 0
+    python benchmarks/bench_takeover.py --quick                # smoke run
 """
 
 import argparse
@@ -41,6 +47,7 @@ from pathlib import Path
 from harness import launch
 from harness.alternation import turns
 from harness.machine import closing, summary
+from harness.relay import Baton, Relay
 from harness.report import markdown
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,43 +79,48 @@ def worker(args):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
-    rank = launch.init_rank()
+    rank = launch.init_rank(timeout=args.timeout)
     torch.manual_seed(0)
     net, batch, loss_fn, make_opt = build(args.model)
     model = DDP(net)
     opt = make_opt(model.parameters())
     g = torch.Generator().manual_seed(rank)
-    profile = None
-    if args.profile_to and rank == 0:
-        import cProfile
-        profile = cProfile.Profile()
-    marks = [time.perf_counter()]
-    for step in range(args.steps):
-        if step == args.warmup:
-            cpu = time.process_time()
-            if profile is not None:
-                profile.enable()
-        x, y = batch(g)
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-        marks.append(time.perf_counter())
-    cpu = (time.process_time() - cpu) / (args.steps - args.warmup)
-    if profile is not None:
-        profile.disable()
-        profile.dump_stats(args.profile_to)
-    steps = [b - a for a, b in zip(marks[args.warmup:], marks[args.warmup + 1:])]
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().numpy().tobytes())
-    results = {"median": statistics.median(steps), "mean": statistics.mean(steps), "cpu": cpu,
-               "weights": digest.hexdigest()}
-    if rank == 0:
-        import autopatch
-        section = autopatch.report().get("allreduce", {}) if autopatch.is_enabled() else {}
-        results["active"] = section.get("active")
-    launch.save_results(results)
+
+    def steps(n):
+        """Train ``n`` steps: the median and mean step, and CPU seconds per step."""
+        marks, cpu = [time.perf_counter()], time.process_time()
+        for _ in range(n):
+            x, y = batch(g)
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+            marks.append(time.perf_counter())
+        times = [b - a for a, b in zip(marks, marks[1:])]
+        return {"median": statistics.median(times), "mean": statistics.mean(times),
+                "cpu": (time.process_time() - cpu) / n}
+
+    steps(args.warmup)
+    if args.profile_to:
+        profiled(steps, args.steps, args.profile_to if rank == 0 else None)
+    else:
+        baton = Baton()
+        while (n := baton.next()) is not None:
+            baton.answer(steps(n))
+        digest = hashlib.sha256()
+        for p in model.parameters():
+            digest.update(p.detach().numpy().tobytes())
+        baton.answer({"weights": digest.hexdigest()})
     dist.destroy_process_group()
+
+
+def profiled(steps, n, to):
+    """Run ``n`` steps, under cProfile where ``to`` (a path) is given."""
+    if to is None:
+        return steps(n)
+    import cProfile
+    profile = cProfile.Profile()
+    profile.runcall(steps, n)
+    profile.dump_stats(to)
 
 
 # -- the launching side ----------------------------------------------------------------------------
@@ -129,31 +141,35 @@ def contenders(args, tmp):
     return out
 
 
-def run_one(args, model, world, env, profile_to=None):
-    """One job: rank 0's results, or why it failed."""
-    argv = [__file__, "--worker", "--model", model, "--steps", args.steps_of[model], "--warmup", args.warmup]
-    if profile_to:
-        argv += ["--profile_to", profile_to]
-    ranks = launch.run_ranks(argv, world, env=env, timeout=args.timeout)
-    why = launch.failed(ranks)
-    return (None, why) if why else (ranks[0].results, None)
+def worker_argv(args, model, profile_to=None):
+    argv = [__file__, "--worker", "--model", model, "--warmup", args.warmup, "--timeout", args.timeout]
+    return argv + (["--steps", args.steps, "--profile_to", profile_to] if profile_to else [])
 
 
 def measure(args, model, world, jobs):
-    """Every contender ``args.rounds`` times in turns: per contender, its results per round."""
+    """Every contender's job, taking turns for ``args.rounds`` rounds: per contender, its block's
+    figures per round, and its final weights."""
     rounds = {name: [None] * args.rounds for name in jobs}
-    for r, name in turns(dict(jobs), args.rounds):
-        results, why = run_one(args, model, world, jobs[name])
-        if why:
+    block = args.block_of[model]
+    with Relay(jobs, worker_argv(args, model), world, timeout=args.timeout) as relay:
+        for name, why in relay.failures.items():
             print(f"{model} x{world} {name}: failed\n{why}", file=sys.stderr, flush=True)
-            continue
-        rounds[name][r] = results
-        print(f"  {model} x{world} round {r + 1} {name}: {1e3 * results['median']:.3f} ms/step",
-              file=sys.stderr, flush=True)
-    return rounds
+        for r, name in turns(relay.jobs, args.rounds):
+            rounds[name][r] = relay.ask(name, block)
+            if rounds[name][r] is None:
+                print(f"{model} x{world} {name}: failed in round {r + 1}", file=sys.stderr, flush=True)
+        last = relay.finish()
+        for name, why in relay.failures.items():
+            print(f"{model} x{world} {name}: {why}", file=sys.stderr, flush=True)
+    if args.verbose:
+        for name, per_round in rounds.items():
+            print(f"  {model} x{world} {name}: " + " ".join(f"{1e3 * res['median']:.3f}" if res else "-"
+                                                         for res in per_round), file=sys.stderr, flush=True)
+    weights = {name: (last.get(name) or {}).get("weights") for name in jobs}
+    return rounds, weights
 
 
-def table(model, rounds):
+def table(model, rounds, weights):
     ddp = rounds["ddp"]
     header = ["contender", "ms/step (median)", "mean ms/step", "vs ddp (median of rounds)",
               "over ddp, ms/step", "CPU ms/step", "weights = ddp's", "target"]
@@ -168,7 +184,7 @@ def table(model, rounds):
         ratio = statistics.median(res["median"] / ddp[r]["median"] for r, res in done)
         over = statistics.median(res["median"] - ddp[r]["median"] for r, res in done)
         cpu = statistics.median(res["cpu"] for _, res in done)
-        same = all(res["weights"] == ddp[r]["weights"] for r, res in done)
+        same = weights[name] is not None and weights[name] == weights["ddp"]
         target = ""
         if model == "tiny" and name.startswith("gradient_allreduce"):
             target = f"<= {TARGET:.2f}x {'met' if ratio <= TARGET else 'NOT met'}"
@@ -179,13 +195,14 @@ def table(model, rounds):
 
 
 def profile(args, tmp):
-    """One job of ``--profile`` per world size, cProfile in rank 0 after warm-up: the top entries."""
+    """One job of ``--profile`` per model and world size, cProfile in rank 0 after warm-up: the top
+    entries by own time and by cumulative time."""
     import pstats
     env = contenders(args, tmp)[args.profile]
     for world in map(int, args.ranks.split(",")):
         for model in args.models.split(","):
             out = tmp / f"{model}-{world}.prof"
-            _, why = run_one(args, model, world, env, out)
+            why = launch.failed(launch.run_ranks(worker_argv(args, model, out), world, env=env, timeout=args.timeout))
             if why:
                 print(f"{model} x{world}: failed\n{why}")
                 continue
@@ -193,7 +210,8 @@ def profile(args, tmp):
             stats = pstats.Stats(str(out), stream=text)
             stats.sort_stats("tottime").print_stats(args.profile_lines)
             stats.sort_stats("cumulative").print_stats(args.profile_lines)
-            print(f"## {args.profile}, {model}, {world} ranks, rank 0, steps after warm-up\n\n```\n{text.getvalue()}```\n")
+            print(f"## {args.profile}, {model}, {world} ranks, rank 0, {args.steps} steps after warm-up\n\n"
+                  f"```\n{text.getvalue()}```\n")
 
 
 def main():
@@ -201,15 +219,17 @@ def main():
     ap.add_argument("--models", default="tiny,mlp")
     ap.add_argument("--ranks", default="2,4", help="comma-separated world sizes")
     ap.add_argument("--contenders", default="ddp,intercept," + ",".join(ALGORITHMS))
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=1000, help="steps per job of the tiny model")
-    ap.add_argument("--mlp_steps", type=int, default=200, help="steps per job of the mlp")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--block", type=int, default=100, help="steps per turn of the tiny model")
+    ap.add_argument("--mlp_block", type=int, default=10, help="steps per turn of the mlp")
     ap.add_argument("--warmup", type=int, default=20, help="steps not timed at the start of each job")
+    ap.add_argument("--steps", type=int, default=1000, help="steps profiled (--profile)")
     ap.add_argument("--baseline", help="another autopatch checkout, run as '<name> @baseline'")
     ap.add_argument("--profile", help="a contender to profile (rank 0, cProfile) instead of measuring")
     ap.add_argument("--profile_lines", type=int, default=30)
-    ap.add_argument("--timeout", type=int, default=900, help="seconds per job, all ranks together")
-    ap.add_argument("--quick", action="store_true", help="1 round of 200 tiny steps, 2 ranks: a smoke run")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per job, all ranks together")
+    ap.add_argument("--verbose", action="store_true", help="print every block's median step")
+    ap.add_argument("--quick", action="store_true", help="2 ranks, 3 rounds of 50 tiny steps: a smoke run")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--profile_to", help=argparse.SUPPRESS)
@@ -217,8 +237,8 @@ def main():
     if args.worker:
         return worker(args)
     if args.quick:
-        args.rounds, args.steps, args.mlp_steps, args.ranks = 1, 200, 50, "2"
-    args.steps_of = {"tiny": args.steps, "mlp": args.mlp_steps}
+        args.rounds, args.block, args.mlp_block, args.ranks = 3, 50, 5, "2"
+    args.block_of = {"tiny": args.block, "mlp": args.mlp_block}
     started = time.perf_counter()
     print(f"# {summary()}")
     print(f"# {' '.join(sys.argv)}\n")
@@ -229,11 +249,11 @@ def main():
         jobs = contenders(args, Path(tmp))
         for model in args.models.split(","):
             for world in map(int, args.ranks.split(",")):
-                rounds = measure(args, model, world, jobs)
+                rounds, weights = measure(args, model, world, jobs)
                 status |= any(res is None for per_round in rounds.values() for res in per_round)
-                print(f"## {model}, {world} ranks, {args.steps_of[model]} steps per job "
-                      f"({args.warmup} not timed), {args.rounds} rounds\n")
-                print(table(model, rounds) + "\n", flush=True)
+                print(f"## {model}, {world} ranks, {args.rounds} rounds of {args.block_of[model]} steps "
+                      f"per contender (after {args.warmup} not timed)\n")
+                print(table(model, rounds, weights) + "\n", flush=True)
     print(closing(started))
     return status
 
