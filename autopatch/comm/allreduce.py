@@ -22,11 +22,12 @@ A synchronised backward:
 The first synchronised backward only records the order gradients arrive in. Rank 0's order is
 broadcast, the buckets are laid out in it, and that step is reduced at its end without
 overlap. Every synchronised backward checks that the ranks agree on the layout before any
-collective whose size follows from it (layout_check.py): the check's header rides at the end of
-the first bucket, whose shape every rank agreed on at the last check, and the other buckets are
-launched once the headers agree; only after a change (the first step, a knob just applied) does
-the header travel alone, at the first hook. Ranks whose layouts differ raise ``LayoutMismatch``
-and never issue mismatched collectives, on which gloo aborts the process.
+collective whose size follows from it (layout_check.py): the check's header rides with the
+first bucket, whose shape every rank agreed on at the last check (in its tail over two ranks,
+right behind it over more), and the other buckets are launched once the headers agree; only
+after a change (the first step, a knob just applied) does the header travel alone, at the first
+hook. Ranks whose layouts differ raise ``LayoutMismatch`` and never issue mismatched
+collectives, on which gloo aborts the process.
 
 Knobs for the autotuner: ``set_bucket_bytes(n)``, ``set_compression(name)`` and
 ``set_hierarchical(flag)`` take effect at the next synchronised backward. Call them on every rank
@@ -221,7 +222,7 @@ class BucketedAllreduce:
             if check.due:
                 if not (rest or buckets.full(0)):
                     return
-                check.carry(buckets.lead_header(), buckets, buckets.start_lead)
+                check.carry(buckets)
             if not (rest or check.completed()):
                 return
             check.finish(self.waiter.wait)

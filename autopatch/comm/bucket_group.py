@@ -7,9 +7,13 @@ gradients in (``arrived``), launches reductions strictly in bucket order (``star
 waits for them (``poll`` hands over the ones already complete while backward goes on, ``drain``
 waits for all); ``take`` gives a finished bucket's views to whoever sets the parameters' ``.grad``.
 
-When the first bucket is reduced by one plain allreduce of its own buffer (``carrier``), that
-buffer ends in room for the layout check's header (``header`` elements), and the bucket's
-reduction takes the header along when launched by ``start_lead``: see layout_check.py.
+When the first bucket is reduced by one plain allreduce of its own buffer over at most two ranks
+(``carrier``), that buffer ends in room for the layout check's header (``header`` elements), and
+the bucket's reduction takes the header along when launched by ``start_lead``: see
+layout_check.py. Over more ranks gloo's ring cuts a buffer into segments by its length and starts
+each segment's sum at another rank, so a longer buffer would add some gradients in another order
+than DDP does, and the averages would no longer equal DDP's bit for bit; over two, each element is
+one addition, the same in either order.
 """
 
 import weakref
@@ -40,7 +44,9 @@ class BucketGroup:
         self.row = [self.checksum, settings["bucket_bytes"], len(self.buckets),
                     COMPRESSIONS.index(settings["compression"]), int(settings["hierarchical"]), len(params)]
         first = self.buckets[0]
-        self.carrier = bool(header) and self.averager.plain(torch.empty(0, dtype=first.dtype, device="meta"))
+        # one plain allreduce of the first bucket's own buffer: it can lead the step (layout_check.py)
+        self.plain_lead = self.averager.plain(torch.empty(0, dtype=first.dtype, device="meta"))
+        self.carrier = bool(header) and world <= 2 and self.plain_lead
         self.header = header if self.carrier else 0
         self.bytes_per_step = sum(self.averager.bytes_sent(torch.empty(b.numel, dtype=b.dtype, device="meta"))
                                   for b in self.buckets)
@@ -102,7 +108,7 @@ class BucketGroup:
             self._start(self.next)
 
     def start_lead(self):
-        """Launch the first bucket with the header in its tail; returns its work."""
+        """Launch the first bucket, with the header in its tail where it carries one; returns its work."""
         self.carrying = True
         self._start(0)
         return self.inflight[-1][1]

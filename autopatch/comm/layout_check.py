@@ -11,13 +11,16 @@ plus zeros is exact in any float dtype); the header is compared before any other
 Ranks that disagree all see the same sums, so they all gather a description of every rank's layout
 (one more collective, the same on every rank) and raise ``LayoutMismatch``.
 
-Where this rank's layout is the one agreed on, the lead is the step's first bucket itself, whose
-buffer ends in the header: the check costs no collective of its own, and a model of one bucket
-makes one collective per step, as under DDP. Otherwise (the first step, a knob just applied, a
-first bucket that is compressed or reduced node by node, so it cannot carry bytes exactly) the
-header goes alone, zero-padded to the agreed shape, at the step's first gradient, overlapping the
-computation of the first bucket's gradients. A knob applied on every rank thus costs one padded
-lead, once.
+Where this rank's layout is the one agreed on, the lead is the step's first bucket itself. Over
+two ranks its buffer ends in the header: the check costs no collective of its own, and a model of
+one bucket makes one collective per step, as under DDP. Over more ranks a longer buffer would sum
+some gradients in another order than DDP's (bucket_group.py), so the header follows the first
+bucket in a small allreduce of its own, issued right behind it so the two travel together rather
+than one after the other. Otherwise (the first step, a knob just applied, a first bucket that is
+compressed or reduced node by node, so it cannot carry bytes exactly) the header goes alone,
+zero-padded to the agreed shape (and, where the header follows the lead, behind a zero lead of
+the agreed shape), at the step's first gradient, overlapping the computation of the first
+bucket's gradients. A knob applied on every rank thus costs one padded lead, once.
 """
 
 from dataclasses import dataclass
@@ -37,10 +40,12 @@ class LayoutMismatch(RuntimeError):
 
 @dataclass(frozen=True)
 class Lead:
-    """What every rank agreed on at the last check: the lead's shape, and whose layout it is."""
+    """What every rank agreed on at the last check: the lead's shape, and whose layout it is;
+    ``apart``: the header follows the lead in an allreduce of its own."""
     numel: int
     dtype: torch.dtype
     checksum: int
+    apart: bool = False
 
 
 class LayoutCheck:
@@ -50,7 +55,7 @@ class LayoutCheck:
         self.agreed = None      # the Lead of the last check every rank passed; None before the first
         self.passed = True      # this step's check is passed (or there is none)
         self.carried = False    # this step's lead is the first bucket
-        self._pending = None    # (work, header, bucket group) of this step's lead, once issued
+        self._pending = None    # ([works], header, bucket group) of this step's lead, once issued
         self._stamps = {}       # (checksum, dtype) -> (this rank's header, every rank's header)
         self.alone = 0          # checks whose header took a collective of its own
 
@@ -60,37 +65,51 @@ class LayoutCheck:
         header this step, the header goes alone now; else ``carry`` sends it with that bucket."""
         self.passed, self._pending = False, None
         agreed = self.agreed
-        self.carried = agreed is not None and agreed.checksum == buckets.checksum and buckets.carrier
+        self.carried = agreed is not None and agreed.checksum == buckets.checksum and buckets.plain_lead
         if not self.carried:
             self.alone += 1
+            works = []
             numel, dtype = (agreed.numel, agreed.dtype) if agreed else (self.header_numel, torch.float32)
+            if agreed is not None and agreed.apart:    # a zero lead of the agreed shape, the header behind
+                zeros = torch.zeros(numel, dtype=dtype, device=self.device)
+                works.append(dist.all_reduce(zeros, group=self.group, async_op=True))
+                numel, dtype = self.header_numel, torch.float32
             lead = torch.zeros(numel, dtype=dtype, device=self.device)
             header = lead[numel - self.header_numel:]
             self._stamp(header, buckets)
-            self._pending = (dist.all_reduce(lead, group=self.group, async_op=True), header, buckets)
+            works.append(dist.all_reduce(lead, group=self.group, async_op=True))
+            self._pending = (works, header, buckets)
 
     @property
     def due(self):
         """The first bucket is to carry the header and has not been launched yet."""
         return self.carried and self._pending is None
 
-    def carry(self, header, buckets, launch):
-        """Write the header into the first bucket's tail, then ``launch()`` it (returns its work)."""
+    def carry(self, buckets):
+        """Launch the first bucket with the header: in its tail, or right behind it."""
+        if buckets.carrier:
+            header = buckets.lead_header()
+            self._stamp(header, buckets)
+            self._pending = ([buckets.start_lead()], header, buckets)
+            return
+        buckets.start_lead()
+        header = torch.empty(self.header_numel, dtype=torch.float32, device=self.device)
         self._stamp(header, buckets)
-        self._pending = (launch(), header, buckets)
+        self._pending = ([dist.all_reduce(header, group=self.group, async_op=True)], header, buckets)
 
     def completed(self):
         """The lead has arrived (``finish`` would not wait)."""
-        return self._pending is not None and self._pending[0].is_completed()
+        return self._pending is not None and all(w.is_completed() for w in self._pending[0])
 
     def finish(self, wait):
         """Compare the headers (``wait(work, what)`` waits for the lead), before any other bucket
         launches: agreed from now on, or ``LayoutMismatch`` on every rank alike."""
-        (work, header, buckets), self._pending = self._pending, None
-        wait(work, "the bucket layout check")
+        (works, header, buckets), self._pending = self._pending, None
+        wait(works, "the bucket layout check")
         if not torch.equal(header, self._stamps[(buckets.checksum, header.dtype)][1]):
             self._mismatch(buckets.row, wait)
-        self.agreed = Lead(*self._lead_shape(buckets), buckets.checksum)
+        if not self.carried:      # a carried step's layout is the one agreed on already
+            self.agreed = self._lead(buckets)
         self.passed = True
 
     def cancel(self):
@@ -98,13 +117,15 @@ class LayoutCheck:
         self.passed, self.carried, self._pending = True, False, None
 
     # -- the header -------------------------------------------------------------------------------
-    def _lead_shape(self, buckets):
-        """The lead of later steps of this layout: its first bucket and the header where it can
-        carry it, else the header alone."""
+    def _lead(self, buckets):
+        """The lead of later steps of this layout: its first bucket, with the header in its tail
+        or right behind it, where it can lead; else the header alone."""
+        first = buckets.buckets[0]
         if buckets.carrier:
-            first = buckets.buckets[0]
-            return first.numel + self.header_numel, first.dtype
-        return self.header_numel, torch.float32
+            return Lead(first.numel + self.header_numel, first.dtype, buckets.checksum)
+        if buckets.plain_lead:
+            return Lead(first.numel, first.dtype, buckets.checksum, apart=True)
+        return Lead(self.header_numel, torch.float32, buckets.checksum)
 
     def _stamp(self, header, buckets):
         key = (buckets.checksum, header.dtype)

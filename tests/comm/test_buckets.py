@@ -100,7 +100,7 @@ def test_the_first_bucket_carries_the_layout_check_once_the_ranks_agreed_on_it(g
     views[0].fill_(3.0)
     header = buckets.lead_header()
     assert header.numel() == check.header_numel and header.data_ptr() == views[0].data_ptr() + 6 * 4
-    check.carry(header, buckets, buckets.start_lead)
+    check.carry(buckets)
     assert [b for _, _, b in buckets.inflight] == [0] and not check.due
     check.finish(waiter.wait)
     assert check.passed and check.alone == 1
@@ -109,7 +109,7 @@ def test_the_first_bucket_carries_the_layout_check_once_the_ranks_agreed_on_it(g
     buckets.reset()
     check.begin(buckets)
     header = buckets.lead_header()
-    check.carry(header, buckets, buckets.start_lead)
+    check.carry(buckets)
     waiter.wait(buckets.inflight[0][1], "the lead")
     header.add_(1.0)       # as if another rank had sent another fingerprint
     with pytest.raises(LayoutMismatch, match="rank 0: 3 buckets of 24 bytes over 3 params"):
@@ -124,3 +124,30 @@ def test_the_first_bucket_carries_the_layout_check_once_the_ranks_agreed_on_it(g
     assert not check.due and check.alone == 2
     check.finish(waiter.wait)
     assert check.agreed == Lead(check.header_numel, torch.float32, compressed.checksum)
+
+
+def test_over_more_than_two_ranks_the_header_follows_the_first_bucket_instead_of_lengthening_it(group):
+    """Over three ranks or more, gloo's ring starts each segment's sum at another rank, segments cut
+    by the buffer's length: the first bucket keeps DDP's length (so its sums are DDP's, bit for
+    bit) and the header goes in an allreduce of its own right behind it, with no check alone."""
+    ps = params(6, 6, 6)
+    settings = {"bucket_bytes": 24, "compression": "none", "hierarchical": False}
+    check = LayoutCheck(group, 1, 0, torch.device("cpu"))
+    buckets = BucketGroup(ps, GradientLayout(ps, [2, 1, 0]), settings, group, 3, None, header=check.header_numel)
+    assert not buckets.carrier and buckets.plain_lead
+    assert buckets.views(0)[0].untyped_storage().nbytes() == 6 * 4
+    waiter = Waiter(10, "test")
+    check.begin(buckets)
+    check.finish(waiter.wait)
+    assert check.agreed == Lead(6, torch.float32, buckets.checksum, apart=True) and check.alone == 1
+
+    buckets.reset()
+    check.begin(buckets)
+    assert check.due
+    buckets.views(0)[0].fill_(3.0)
+    check.carry(buckets)
+    assert [b for _, _, b in buckets.inflight] == [0] and not check.due
+    check.finish(waiter.wait)
+    assert check.passed and check.alone == 1
+    waiter.drain(buckets.inflight, "the lead")
+    assert torch.equal(buckets.take(0)[0], torch.full((6,), 3.0))
