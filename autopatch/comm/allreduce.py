@@ -128,7 +128,9 @@ class BucketedAllreduce:
                                "twice in one synchronised backward (reentrant checkpointing, or "
                                "backward through the same graph twice); DDP does not support this either")
         self._contribute(i)
-        if self.buckets.arrived(i) or not self.check.passed:
+        # launch when the next bucket is full, or see whether the lead has arrived (a first bucket
+        # still due to carry the header launches only once full, which ``arrived`` says)
+        if self.buckets.arrived(i) or not (self.check.passed or self.check.due):
             self._launch()
         if self.buckets.inflight and self.check.passed and self._hands_over_early():
             self.buckets_handed_over_early += self.buckets.poll(self.waiter, self._finish)
