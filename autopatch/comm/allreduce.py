@@ -21,10 +21,13 @@ A synchronised backward:
 
 The first synchronised backward only records the order gradients arrive in. Rank 0's order is
 broadcast, the buckets are laid out in it, and that step is reduced at its end without
-overlap. Every synchronised backward starts with a small all-gather of a layout checksum at its first
-hook, and the step's first bucket is launched only once the checksums agree (the round trip
-overlaps the computation of that bucket's gradients). Ranks whose layouts differ raise
-``LayoutMismatch`` and never issue mismatched collectives, on which gloo aborts the process.
+overlap. Every synchronised backward checks that the ranks agree on the layout before any
+collective whose size follows from it (layout_check.py): the check's header rides with the
+first bucket, whose shape every rank agreed on at the last check (in its tail over two ranks,
+right behind it over more), and the other buckets are launched once the headers agree; only
+after a change (the first step, a knob just applied) does the header travel alone, at the first
+hook. Ranks whose layouts differ raise ``LayoutMismatch`` and never issue mismatched
+collectives, on which gloo aborts the process.
 
 Knobs for the autotuner: ``set_bucket_bytes(n)``, ``set_compression(name)`` and
 ``set_hierarchical(flag)`` take effect at the next synchronised backward. Call them on every rank
@@ -71,7 +74,7 @@ class BucketedAllreduce:
         self._pending = {}
         self.layout = None
         self.buckets = None        # the BucketGroup of the layout and settings in effect
-        self.check = LayoutCheck(group, self.world, self.device)
+        self.check = LayoutCheck(group, self.world, dist.get_rank(group), self.device)
         self.steps = 0
         self.layouts = 0
         self._armed = False
@@ -125,10 +128,11 @@ class BucketedAllreduce:
                                "twice in one synchronised backward (reentrant checkpointing, or "
                                "backward through the same graph twice); DDP does not support this either")
         self._contribute(i)
-        if self.buckets.arrived(i):
-            self.check.finish(self.waiter.wait)
-            self.buckets.start_full()
-        if self.buckets.inflight and self._hands_over_early():
+        # launch when the next bucket is full, or see whether the lead has arrived (a first bucket
+        # still due to carry the header launches only once full, which ``arrived`` says)
+        if self.buckets.arrived(i) or not (self.check.passed or self.check.due):
+            self._launch()
+        if self.buckets.inflight and self.check.passed and self._hands_over_early():
             self.buckets_handed_over_early += self.buckets.poll(self.waiter, self._finish)
 
     def _begin_backward(self):
@@ -137,7 +141,7 @@ class BucketedAllreduce:
         if self._pending:
             self._apply_settings()
         if self.layout is not None:
-            self._start_check()
+            self.check.begin(self.buckets)
 
     def _apply_settings(self):
         self.settings.update(self._pending)
@@ -167,9 +171,8 @@ class BucketedAllreduce:
         try:
             if self.layout is None:
                 self._first_layout()
-            self.check.finish(self.waiter.wait)
             missing = self._contribute_the_rest()
-            self.buckets.start_rest()
+            self._launch(rest=True)
             used = self._launch_used_bitmap() if self.find_unused else None
             # Even when raising below, every wait happens: the other ranks' collectives must match.
             self.buckets.drain(self.waiter, None if missing or self.find_unused else self._finish)
@@ -201,14 +204,34 @@ class BucketedAllreduce:
                          "the broadcast of rank 0's gradient order")
         self.layout = GradientLayout(self.params, order.tolist())
         self._relayout()
-        self._start_check()
+        self.check.begin(self.buckets)
 
     def _relayout(self):
-        self.buckets = BucketGroup(self.params, self.layout, self.settings, self.group, self.world, self.nodes)
+        self.buckets = BucketGroup(self.params, self.layout, self.settings, self.group, self.world, self.nodes,
+                                   header=self.check.header_numel)
         self.layouts += 1
 
-    def _start_check(self):
-        self.check.start(self.buckets.checksum, self.settings, len(self.buckets), len(self.params))
+    # -- launching ------------------------------------------------------------------------------
+    def _launch(self, rest=False):
+        """Launch what may go now, in bucket order (with ``rest``, everything: backward is over).
+
+        While this step's layout check is open, a first bucket that carries its header is launched
+        as soon as it is full, and no other bucket before the check has passed. A hook never waits
+        for the check: a later hook, or the end of backward, launches the buckets held back.
+        """
+        buckets, check = self.buckets, self.check
+        if not check.passed:
+            if check.due:
+                if not (rest or buckets.full(0)):
+                    return
+                check.carry(buckets)
+            if not (rest or check.completed()):
+                return
+            check.finish(self.waiter.wait)
+        if rest:
+            buckets.start_rest()
+        else:
+            buckets.start_full()
 
     # -- the end of a synchronised backward -------------------------------------------------------
     def _contribute_the_rest(self):
@@ -280,6 +303,7 @@ class BucketedAllreduce:
             "wait_seconds": round(self.wait_seconds, 6),
             "wait_seconds_per_step": round(self.wait_seconds / self.steps, 6) if self.steps else 0.0,
             "layouts": self.layouts,
+            "layout_checks_alone": self.check.alone,
             "buckets_handed_over_early": self.buckets_handed_over_early,
         }
 

@@ -9,7 +9,7 @@ steps no gradient memory is kept, and during backward only the buckets in flight
 bucket size only moves range boundaries.
 """
 
-import zlib
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -43,9 +43,10 @@ class Bucket:
     def nbytes(self):
         return self.numel * self.dtype.itemsize
 
-    def new_buffer(self):
-        """A buffer for one step, and each parameter's view of it (in ``params`` order)."""
-        buf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+    def new_buffer(self, tail=0):
+        """A buffer for one step (``tail`` more elements after the gradients), and each
+        parameter's view of it (in ``params`` order)."""
+        buf = torch.empty(self.numel + tail, dtype=self.dtype, device=self.device)
         return buf, [buf.as_strided(*v) for v in self.views]
 
 
@@ -82,10 +83,12 @@ def plan_buckets(layout, params, bucket_bytes):
 def layout_checksum(params, buckets, *settings):
     """A checksum of what every rank must agree on: bucket contents, shapes, dtypes and settings.
 
-    crc32 of a canonical text, so equal layouts give equal numbers in every process (Python's
-    ``hash`` is salted per process).
+    63 bits of a BLAKE2 digest of a canonical text, so equal layouts give equal numbers in every
+    process (Python's ``hash`` is salted per process), two layouts the same number about once in
+    10**19, and the number fits an int64.
     """
     parts = [repr(settings)]
     for b in buckets:
         parts.append(";".join(f"{tuple(params[i].shape)}:{params[i].dtype}" for i in b.params))
-    return zlib.crc32("|".join(parts).encode())
+    digest = hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
