@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from autopatch.modes.chooser import FIRST_STEP
+
 from . import state
 from .optim_cases import stable_hash, torch_rejects, torch_skip
 from .scenarios import SCENARIOS, Ctx, applies, scenario_args
@@ -188,8 +190,7 @@ def _patched(case, steps, before, lr_factor, inject=None, what="patched run"):
 
 
 # Reasons for "off" that are no refusal: the policy says off, auto is watching or racing right now.
-TRANSIENT = ("policy sets fusion.mode: off", "auto: unpatched while watching", "auto: unpatched for its first step",
-             "auto: racing")
+TRANSIENT = ("policy sets fusion.mode: off", "auto: unpatched while watching", FIRST_STEP, "auto: racing")
 
 
 def _record_report(case, report, record_property):
