@@ -175,8 +175,10 @@ class Board:
 
     @_guarded
     def close(self):
-        """At exit or disable(); later calls write nothing (a reopen would truncate the records)."""
-        if not self._closed and self._events is not None:
+        """At exit or disable(); later calls write nothing (a reopen would truncate the records).
+        The steps since the last scalar point are written, even by a run too short to have
+        written any before (the file opens for them)."""
+        if not self._closed:
             self.flush_window()
         self._release()
 

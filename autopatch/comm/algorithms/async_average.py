@@ -6,10 +6,14 @@ background thread, every ``sync_interval_ms``, runs one round on a process group
 group shared with the training thread can interleave their collectives differently on different
 ranks and hang):
 
-1. agree on stopping: an allreduce MIN of each rank's "asked to stop" flag; the rounds end only
-   once every rank has asked (``abort()``, ``close()``, exit, or ``destroy_process_group``), so a
-   rank that finishes early keeps averaging with the others until they finish too, and no rank
-   is left waiting on a collective nobody else will join;
+1. agree on stopping: an allreduce MIN of each rank's "asked to stop" flag and of each rank's
+   "leaving after an error" flag (negated, one slot per rank); the rounds end only once every
+   rank has asked (``abort()``, ``close()``, exit, or ``destroy_process_group``), so a rank that
+   finishes early keeps averaging with the others until they finish too, and no rank is left
+   waiting on a collective nobody else will join. A rank whose script dies of an exception
+   (``leave()``, at exit) does not wait for the others: it says so in its next agreement and
+   goes; the others stop averaging and raise at their next training step, as DDP's next
+   collective would. A rank that vanishes (killed) fails the next collective, to the same end;
 2. copy the weights, allreduce SUM the copy, and add ``sum / n - copy`` to the weights, which
    keeps whatever local steps were taken meanwhile.
 
@@ -21,7 +25,8 @@ and during the optimizer step (two threads adding to one tensor can lose an upda
 update waits for those to end, and a training step that is about to start waits for an update
 that is ready. The thread's waits are bounded by the timeout, and it gives up (reporting why)
 when a peer is gone or torch.distributed is shut down under it; ``shutdown.py`` makes sure that
-happens before the interpreter or the process group goes away.
+happens before the interpreter or the process group goes away. A peer gone is raised by the
+training thread's next forward or step (``PeerGone``), so that no rank trains on alone.
 """
 
 import threading
@@ -34,6 +39,10 @@ from . import shutdown
 from ..waiting import Waiter
 from .base import Algorithm, BackwardEnd
 from .flat_tensors import FlatTensors
+
+
+class PeerGone(RuntimeError):
+    """Another rank left the averaging after an error, or vanished: this rank stops training too."""
 
 
 class AsyncModelAverage(Algorithm):
@@ -66,6 +75,8 @@ class AsyncModelAverage(Algorithm):
         self._stop = threading.Event()
         self._thread = None
         self._aborted = False        # by the user, until resume()
+        self._leaving = False        # this rank is going away after an error: it waits for no one
+        self._gone = None            # why the background averaging failed, for the training thread
         self._open = self.warmup_steps == 0    # this rank owes the others a stop agreement
         self._backward = BackwardEnd(self.params, self.after_backward)
         shutdown.register(self)
@@ -79,6 +90,7 @@ class AsyncModelAverage(Algorithm):
         return self.steps < self.warmup_steps
 
     def before_forward(self, sync=True):
+        self._raise_if_gone()
         if self._open and self._thread is None:
             self._start()
         if self._running():
@@ -89,6 +101,7 @@ class AsyncModelAverage(Algorithm):
         self._release()
 
     def before_step(self):
+        self._raise_if_gone()
         if self._running():
             self._hold()
 
@@ -97,6 +110,10 @@ class AsyncModelAverage(Algorithm):
         self._release()
         if self.steps == self.warmup_steps and not self._aborted:
             self._open = True
+
+    def _raise_if_gone(self):
+        if self._gone is not None:
+            raise PeerGone(f"autopatch {self.name} on rank {self.rank}: {self.error}") from self._gone
 
     def _running(self):
         return self._thread is not None and self._thread.is_alive()
@@ -150,6 +167,12 @@ class AsyncModelAverage(Algorithm):
         self._thread.join()      # each collective is bounded; the rounds end once every rank has
         self._thread = None      # asked, or a peer failed
 
+    def leave(self):
+        """This rank is going away after an error: close without waiting for the others to stop.
+        Its next stop agreement tells them, and their training raises ``PeerGone``."""
+        self._leaving = True
+        self.close()
+
     def close(self):
         """Stop averaging (agreed with the other ranks, as ``abort``) and unhook. Idempotent."""
         if self.closed:
@@ -167,9 +190,12 @@ class AsyncModelAverage(Algorithm):
                 while self._everyone_continues():
                     self._round()
                     self._stop.wait(self.sync_interval_ms / 1000)
-                self._round(last=True)
+                if not self._leaving:
+                    self._round(last=True)
         except Exception as e:       # a peer is gone or the group was shut down: stop, say why
             self.error = f"background averaging stopped: {e}"
+            if dist.is_initialized() and not self._leaving:
+                self._gone = e       # not shut down here: a peer left or vanished
         finally:
             with self._cond:
                 self._update_ready = False
@@ -179,10 +205,17 @@ class AsyncModelAverage(Algorithm):
         self.background.wait(work, what, cancelled=lambda: not dist.is_initialized())
 
     def _everyone_continues(self):
-        flag = torch.tensor([int(self._stop.is_set())], dtype=torch.int32, device=self.params[0].device)
-        self._collective(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.thread_group, async_op=True),
+        """False once every rank asked to stop, or this one is leaving; ``PeerGone`` when another
+        is leaving after an error."""
+        flags = torch.zeros(1 + self.world, dtype=torch.int32, device=self.params[0].device)
+        flags[0] = int(self._stop.is_set())
+        flags[1 + self.rank] = -int(self._leaving)
+        self._collective(dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.thread_group, async_op=True),
                          "the stop agreement")
-        return flag.item() == 0
+        gone = [r for r in range(self.world) if flags[1 + r] < 0 and r != self.rank]
+        if gone and not self._leaving:
+            raise PeerGone(f"rank(s) {gone} of its group left after an error")
+        return not self._leaving and flags[0].item() == 0
 
     def _round(self, last=False):
         """One average. The last one, agreed by every rank, finds every training thread stopped
@@ -192,7 +225,7 @@ class AsyncModelAverage(Algorithm):
         for s in sums:
             self._collective(dist.all_reduce(s, group=self.thread_group, async_op=True), "a weight average")
         n = self.world
-        self.bytes_sent += 2 * (n - 1) * 4 // n + sum(2 * (n - 1) * s.numel() * s.element_size() // n for s in sums)
+        self.bytes_sent += 2 * (n - 1) * 4 * (1 + n) // n + sum(2 * (n - 1) * s.numel() * s.element_size() // n for s in sums)
         self.rounds += 1
         for s in sums:
             s.div_(n)

@@ -8,9 +8,15 @@ ranks, each of which gets there by its own destroy, exit or ``abort()``), and an
 handler does the same for scripts that never destroy their group. The patch is recorded in a
 ``Ledger`` and removed when the last averaging closes; ``atexit`` handlers run before the
 interpreter tears threads and modules down, and torch registers none of its own.
+
+A script that dies of an uncaught exception must not wait at exit for the others to finish (they
+would train on alone, and it would be the job's failure that nobody sees): the interpreter has
+printed the exception and kept it in ``sys.last_value`` by the time ``atexit`` runs, so then each
+averaging ``leave()``s instead, which tells the others and waits for no one.
 """
 
 import atexit
+import sys
 import threading
 import weakref
 
@@ -47,9 +53,14 @@ def unregister(averaging):
 
 
 def close_all():
-    """Stop every background averaging of this process (each ``close()`` is idempotent)."""
+    """Stop every background averaging of this process (each ``close()`` is idempotent); at the
+    exit of a script that died of an exception, leave it instead."""
+    failed = getattr(sys, "last_value", None) is not None
     for averaging in list(_live):
-        averaging.close()
+        if failed:
+            averaging.leave()
+        else:
+            averaging.close()
 
 
 def _closing_first(wrapped, instance, args, kwargs):
