@@ -206,6 +206,8 @@ def test_two_ranks_share_redis_and_train_on_balanced_samplers(tmp_path_factory):
     assert codes == [0, 0] and len(results) == 2, "\n".join(outputs)
     r0, r1 = results[0], results[1]
     assert r0["urls"] == r1["urls"] and len(r0["urls"]) == 1   # one node: rank 0's server
+    password = r0["urls"][0].split("@")[0].rpartition(":")[2]
+    assert len(password) >= 32 and "@" not in r0["published"] and password not in r0["published"]   # never sent
     assert r0["sampler"] == "FollowingSampler"
     for epoch in (0, 1):
         both = r0["epochs"][epoch] + r1["epochs"][epoch]
@@ -271,3 +273,21 @@ def test_every_sample_is_rechecked_within_a_cycle_of_epochs():
         seen = [i for e in range(epochs) for i in recheck_indices(n, b"\x07" * 16, e)]
         assert sorted(set(seen)) == list(range(n)) and len(seen) == n
         assert recheck_indices(n, b"\x07" * 16, 0) != recheck_indices(n, b"\x07" * 16, 1) or n <= RECHECK_SAMPLES
+
+
+def test_ranks_that_would_decide_differently_share_one_decision(tmp_path_factory):
+    """Lengths from a generator seeded by the rank: without one set of scores, ranks deal
+    differently and samples are skipped and repeated. A dataset slow on rank 0 only: without one
+    decision, rank 0 caches it and rank 1 does not."""
+    results, outputs, codes = spawn_two_ranks("data_worker.py", "agreement", tmp_path_factory, timeout=150)
+    assert codes == [0, 0] and len(results) == 2, "\n".join(outputs)
+    r0, r1 = results[0], results[1]
+    for epoch in (0, 1):
+        both = r0["epochs"][epoch] + r1["epochs"][epoch]
+        assert sorted(both) == list(range(40)), both   # every sample once
+    notes = [r["report"]["balance"]["samplers"][0]["scores"] for r in (r0, r1)]
+    assert sum("every rank uses" in n for n in notes) == 1 and sum("scored first" in n for n in notes) == 1, notes
+    caches = [r["report"]["cache"] for r in (r0, r1)]
+    assert r0["cached_type"] == r1["cached_type"]
+    decided = [c["datasets"][0]["decided"] if c["datasets"] else c["uncached"][0]["reason"] for c in caches]
+    assert sum("the job's decision" in d for d in decided) == 1, decided
