@@ -119,8 +119,9 @@ def _at_exit():
     if last.policy.logging.report:
         try:
             path = write_report(rep, last.policy.logging.report)
-        except OSError as e:
-            print(f"autopatch: could not write report: {e}", file=sys.stderr)
+        except Exception as e:     # at exit too, a report that cannot be written is only said
+            print(f"autopatch: the report was not written to {last.policy.logging.report}: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr)
         else:
             if path and _exit["summary"]:
                 print(f"autopatch: report written to {path}", file=sys.stderr)

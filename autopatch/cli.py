@@ -5,7 +5,6 @@ import json
 import os
 import runpy
 import sys
-import tempfile
 
 from . import env, policy as _policy
 
@@ -44,12 +43,26 @@ def _bagua_flags(args):
             chosen = _policy.load(os.environ.get(env.POLICY), env_overrides=env.policy_overrides())
         except _policy.PolicyError:
             return   # start-up reports the invalid policy
-        path = chosen.autotune.log_csv
-        if path is None:   # where Bagua put it: a fresh name in the temp dir
-            fd, path = tempfile.mkstemp(prefix="autopatch_autotune_", suffix=".log")
-            os.close(fd)
-            os.environ[env.AUTOTUNE_LOG] = path
-        print(f"autopatch: autotune log: {path}", file=sys.stderr)
+        path = chosen.autotune.log_csv or _new_autotune_log()
+        if path is not None:
+            print(f"autopatch: autotune log: {path}", file=sys.stderr)
+
+
+def _new_autotune_log():
+    """A fresh name, as Bagua's was in the temp dir, but in this user's private directory there
+    (reporting/files.py): no other user can read it, or plant a link where it goes. Its path goes to
+    every process of the job through FUSEDOPT_AUTOTUNE_LOG; None, after a warning, when the
+    private directory cannot be used (the run goes on without the CSV)."""
+    from .reporting.files import private_folder
+    try:
+        with private_folder() as folder:
+            name, f = folder.create("autopatch_autotune_", ".log")
+            f.close()
+    except OSError as e:
+        print(f"autopatch: --is_output_autotune_log: no trials CSV: {e}", file=sys.stderr)
+        return None
+    os.environ[env.AUTOTUNE_LOG] = path = os.path.join(folder.path, name)
+    return path
 
 
 # NCCL's own multi-socket transport, in place of Bagua-Net: NCCL loads net plugins of interface v6

@@ -52,24 +52,31 @@ def is_decider():
     return dist is None or dist.get_rank() == 0
 
 
-def agree(decision):
-    """Rank 0's ``decision`` (any picklable object) on every rank; other ranks pass None.
+def agree(decision, group=None):
+    """The first rank's ``decision`` (any picklable object) on every rank of ``group`` (None:
+    the world); the other ranks pass None.
 
     Decisions are taken at steps every rank knows in advance, so this is one more collective in
-    the same order on every rank."""
+    the same order on every rank of the group."""
     dist = _group()
-    if dist is None:
+    if dist is None or dist.get_world_size(group) < 2:
         return decision
     box = [decision]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=first_rank(group), group=group)
     return box[0]
 
 
-def gather(value):
-    """Every rank's ``value`` (any picklable object), in rank order, on every rank."""
+def first_rank(group=None):
+    """The global rank of ``group``'s first rank (None: the world's, 0)."""
+    dist = _initialised()
+    return 0 if dist is None or group is None else dist.get_process_group_ranks(group)[0]
+
+
+def gather(value, group=None):
+    """Every rank's ``value`` (any picklable object), in rank order, on every rank of ``group``."""
     dist = _group()
-    if dist is None:
+    if dist is None or dist.get_world_size(group) < 2:
         return [value]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
     return out

@@ -6,15 +6,21 @@ algorithms take it. The key checks (``CHECKS``), ``autopatch policy show``, the 
 settings (comm/algorithm_choice.py) and the Bagua classes (contrib/) are all derived from these
 declarations; autotune's knobs are records of their own (``tunables.py``).
 
-A policy is read with ``yaml.safe_load`` semantics only (it can never build Python objects) and
-checked key by key; every error names the file, the line and the dotted key.
+A policy is read with ``yaml.safe_load`` semantics only (it can never build Python objects), by
+a loader that also refuses what safe_load lets through: a key given twice, nesting past
+``MAX_DEPTH``, aliases that would repeat more than ``MAX_REPEATED`` (a "billion laughs"), a file
+over ``MAX_FILE_BYTES`` or not UTF-8. It is then checked key by key; every error names the file,
+the line and the dotted key, and echoes at most ``SHOWN`` characters of a value. Environment
+variables and ``enable()`` arguments pass the same checks (``_plain``, then the key's own).
 Precedence, lowest first: builtin defaults < policy file < environment < ``enable()`` arguments.
 """
 
 import dataclasses
 import fnmatch
+import math
 import os
 import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,10 +32,30 @@ from .vocabulary import (ALGORITHMS, AUTO, COMPRESSIONS, EXACTNESS, GRADIENT_ALL
                          PEER_SELECTION_MODES, POLICY_MODES, SWITCHABLE_MODES)
 
 SCHEMA_VERSION = 1
+MAX_FILE_BYTES = 1 << 20   # a policy is a few hundred bytes
+MAX_DEPTH = 16             # the deepest policy value is 4 levels down (data: cache: backend:)
+MAX_REPEATED = 10_000      # nodes and characters all aliases of a file may repeat, in all
+MAX_NAME = 200             # characters of a policy's name
+SHOWN = 80                 # characters of a value an error message echoes
 
 
 class PolicyError(ValueError):
     """An invalid policy: the message names the file, the line and the key."""
+
+
+def shown(value):
+    """``repr(value)`` cut to ``SHOWN`` characters: an error message never echoes a whole value
+    (reprlib stops early inside long or deeply nested ones, and at cycles)."""
+    try:
+        text = _REPR.repr(value)
+    except ValueError:        # an int past Python's digit limit for str()
+        text = f"<an int of about {int(value.bit_length() * 0.30103)} digits>"
+    return text if len(text) <= SHOWN else text[:SHOWN - 3] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, SHOWN, SHOWN
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
 
 
 def class_matches(qualname, globs):
@@ -61,7 +87,7 @@ def _size(v):
 def _choice(options):
     def check(v):
         if v not in options:
-            raise ValueError(f"expected one of {', '.join(map(str, options))}; got {v!r}")
+            raise ValueError(f"expected one of {', '.join(map(str, options))}; got {shown(v)}")
         return v
     return check
 
@@ -70,7 +96,7 @@ def _typed(kind, lo=None, hi=None):
     def check(v):
         if kind is float and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)
-        if kind is int and isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        if kind is int and isinstance(v, str) and v.strip().lstrip("-").isdecimal():
             v = int(v)
         if kind is float and isinstance(v, str):   # from an environment variable
             try:
@@ -80,11 +106,13 @@ def _typed(kind, lo=None, hi=None):
         if kind is bool and isinstance(v, str) and _env.boolean(v) is not None:
             v = _env.boolean(v)
         if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
-            raise TypeError(f"expected {kind.__name__}, got {type(v).__name__} {v!r}")
+            raise TypeError(f"expected {kind.__name__}, got {type(v).__name__} {shown(v)}")
+        if kind is float and not math.isfinite(v):
+            raise ValueError(f"must be a finite number, got {v}")
         if lo is not None and v < lo:
-            raise ValueError(f"must be >= {lo}, got {v}")
+            raise ValueError(f"must be >= {lo}, got {shown(v)}")
         if hi is not None and v > hi:
-            raise ValueError(f"must be <= {hi}, got {v}")
+            raise ValueError(f"must be <= {hi}, got {shown(v)}")
         return v
     return check
 
@@ -178,10 +206,10 @@ def _bounds(v):
     for name, b in v.items():
         knob = KNOBS[_choice(tuple(KNOBS))(name)]
         if not isinstance(b, list) or not b:
-            raise TypeError(f"{name}: expected a non-empty list, got {b!r}")
+            raise TypeError(f"{name}: expected a non-empty list, got {shown(b)}")
         if knob.exponent:
             if len(b) != 2:
-                raise ValueError(f"{name}: expected [lo, hi], got {b!r}")
+                raise ValueError(f"{name}: expected [lo, hi], got {shown(b)}")
             lo, hi = (_typed(int, *EXPONENT_LIMITS)(x) for x in b)
             if lo > hi:
                 raise ValueError(f"{name}: lo {lo} is above hi {hi}")
@@ -380,7 +408,7 @@ def check_algorithm_name(name, source="the policy"):
     try:
         return KEYS["algorithm.name"].check(name)
     except (TypeError, ValueError) as e:
-        raise PolicyError(f"{source}: unknown communication algorithm {name!r}: {e}") from None
+        raise PolicyError(f"{source}: unknown communication algorithm {shown(name)}: {e}") from None
 
 
 def check_algorithm_setting(name, key, value, source="the policy"):
@@ -411,22 +439,95 @@ def builtin_names():
     return sorted(p.stem for p in builtin_dir().glob("*.yaml"))
 
 
-def _lines(text):
-    """Map dotted key -> 1-based line of that key in the YAML text (best effort)."""
+class _Refused(yaml.MarkedYAMLError):
+    """What ``_StrictLoader`` refuses beyond what PyYAML does: the problem names the key."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader (plain data only), bounded: nesting past ``MAX_DEPTH`` and aliases
+    repeating more than ``MAX_REPEATED`` nodes and characters in all are refused while composing,
+    before anything is expanded; so are an alias inside the node it names (a cycle) and integers
+    past Python's digit limit."""
+
+    def __init__(self, text):
+        super().__init__(text)
+        self._path = []       # the keys above the node being composed (None: a list item or a key)
+        self._sizes = {}      # id(node) -> the nodes and characters it stands for, expanded
+        self._repeated = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            if event.anchor in self.anchors:     # else the composer's own error
+                self._repeat(event)
+            return super().compose_node(parent, index)
+        self._path.append(index.value if isinstance(index, yaml.ScalarNode) else None)
+        try:
+            if len(self._path) > MAX_DEPTH:
+                self._refuse(f"nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark)
+            node = super().compose_node(parent, index)
+        finally:
+            self._path.pop()
+        self._sizes[id(node)] = self._size(node)
+        return node
+
+    def _refuse(self, problem, mark):
+        key = ".".join(k for k in self._path if isinstance(k, str))
+        raise _Refused(problem=f"key '{_cut(key)}': {problem}" if key else problem, problem_mark=mark)
+
+    def _size(self, node):
+        if isinstance(node, yaml.ScalarNode):
+            return 1 + len(node.value)
+        children = node.value if isinstance(node, yaml.SequenceNode) else [n for kv in node.value for n in kv]
+        return 1 + sum(self._sizes[id(child)] for child in children)
+
+    def _repeat(self, event):
+        size = self._sizes.get(id(self.anchors[event.anchor]))
+        if size is None:
+            self._refuse(f"alias *{_cut(event.anchor)} inside the node it names", event.start_mark)
+        self._repeated += size
+        if self._repeated > MAX_REPEATED:
+            self._refuse(f"aliases repeat more than {MAX_REPEATED} nodes and characters in all "
+                         "(a policy needs a few)", event.start_mark)
+
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:     # more digits than int() takes
+            raise _Refused(problem=f"an integer of {len(node.value)} digits", problem_mark=node.start_mark) from None
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+
+
+def _key_lines(root, where):
+    """Map dotted key -> 1-based line of that key; a key given twice in one mapping is an error."""
     out = {}
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return out
 
     def walk(node, prefix):
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                key = f"{prefix}{k.value}"
-                out[key] = k.start_mark.line + 1
-                walk(v, key + ".")
+        if isinstance(node, yaml.SequenceNode):
+            for child in node.value:
+                walk(child, prefix)
+        if not isinstance(node, yaml.MappingNode):
+            return
+        first = {}
+        for k, v in node.value:
+            if k.tag == "tag:yaml.org,2002:merge" or not isinstance(k, yaml.ScalarNode):
+                walk(v, prefix)
+                continue
+            key, line = f"{prefix}{k.value}", k.start_mark.line + 1
+            if (k.tag, k.value) in first:
+                raise PolicyError(f"{where}:{line}: key '{_cut(key)}' is given twice in one mapping "
+                                  f"(first on line {first[k.tag, k.value]})")
+            first[k.tag, k.value] = out[key] = line
+            walk(v, key + ".")
     walk(root, "")
     return out
+
+
+def _cut(text):
+    """A key or name as given, cut to ``SHOWN`` characters for a message."""
+    return text if len(text) <= SHOWN else text[:SHOWN - 3] + "..."
 
 
 # Keys of earlier versions whose meaning another key now carries.
@@ -446,14 +547,47 @@ def _apply(values, updates, where, lines, origins):
         if key not in KEYS:
             section = key.split(".")[0]
             known = sorted(k for k in KEYS if k.startswith(section + ".")) or sorted(SECTIONS)
-            raise PolicyError(f"{loc}: unknown key '{key}' (known: {', '.join(known)})")
+            raise PolicyError(f"{loc}: unknown key '{_cut(key)}' (known: {', '.join(known)})")
         declared = KEYS[key]
         try:
-            value = declared.check(raw)
+            value = declared.check(_plain(raw))
         except (TypeError, ValueError) as e:
-            raise PolicyError(f"{loc}: key '{key}': {e}") from None
+            raise PolicyError(f"{loc}: key '{key}': {_cut_message(e)}") from None
         origins[f"{declared.section}.{declared.field}"] = loc
         values[declared.section][declared.field] = value
+
+
+def _plain(value):
+    """``value`` when it is plain data a policy could hold: nested at most ``MAX_DEPTH`` deep, at
+    most ``MAX_FILE_BYTES`` nodes and characters in all (a value of shared lists counts each
+    time it is reached), text that is valid UTF-8 (an environment variable holding other bytes
+    arrives with surrogates). The checks a policy file gets from its loader, for variables and
+    ``enable()`` arguments; ValueError else."""
+    budget, stack = MAX_FILE_BYTES, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+        items = [*v.keys(), *v.values()] if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else ()
+        budget -= 1 + len(items) + (len(v) if isinstance(v, str) else 0)
+        if budget < 0:
+            raise ValueError(f"larger than a policy may be ({MAX_FILE_BYTES} nodes and characters)")
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                code = ord(v[e.start])     # 0xdc80-0xdcff: a byte os.environ could not decode
+                what = f"byte 0x{code - 0xdc00:02x}" if 0xdc80 <= code <= 0xdcff else f"U+{code:04X}"
+                raise ValueError(f"not valid UTF-8 text: {what} at character {e.start + 1}") from None
+        stack.extend((item, depth + 1) for item in items)
+    return value
+
+
+def _cut_message(error):
+    """A check's message, cut to a few hundred characters (checks echo values through ``shown``;
+    this bounds any that do not)."""
+    text = str(error)
+    return text if len(text) <= 4 * SHOWN else text[:4 * SHOWN - 3] + "..."
 
 
 def _one_spelling_each(updates, where, lines):
@@ -489,11 +623,24 @@ def _flatten(doc, where, lines):
                 raise PolicyError(f"{loc}: key '{key}': expected a mapping, got {type(val).__name__}")
             flat.update(_dotted(key, val))
         else:
-            raise PolicyError(f"{loc}: unknown key '{key}' (known: version, name, {', '.join(SECTIONS)})")
-    if "version" in meta and meta["version"] != SCHEMA_VERSION:
+            raise PolicyError(f"{loc}: unknown key '{_cut(str(key))}' (known: version, name, {', '.join(SECTIONS)})")
+    if "version" in meta and (meta["version"] != SCHEMA_VERSION or isinstance(meta["version"], bool)):
         raise PolicyError(f"{where}:{lines.get('version', 1)}: key 'version': "
-                          f"this autopatch reads policy version {SCHEMA_VERSION}, got {meta['version']!r}")
+                          f"this autopatch reads policy version {SCHEMA_VERSION}, got {shown(meta['version'])}")
+    if "name" in meta:
+        meta["name"] = _name(meta["name"], f"{where}:{lines.get('name', 1)}")
     return flat, meta
+
+
+def _name(value, loc):
+    """A policy's name: a short piece of text (a YAML number is taken as written)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise PolicyError(f"{loc}: key 'name': expected a string, got {type(value).__name__} {shown(value)}")
+    text = str(value)      # the loader refuses integers too long for str()
+    if not text or len(text) > MAX_NAME or not text.isprintable():
+        raise PolicyError(f"{loc}: key 'name': expected a printable name of 1 to {MAX_NAME} characters, "
+                          f"got {shown(value)}")
+    return text
 
 
 def _dotted(prefix, mapping):
@@ -509,30 +656,78 @@ def _dotted(prefix, mapping):
 
 
 def _read(path):
+    """(the parsed document, dotted key -> line): at most ``MAX_FILE_BYTES`` of UTF-8, through
+    ``_StrictLoader``, composed once for both."""
     try:
-        text = Path(path).read_text()
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise PolicyError(f"{path}: cannot read policy file: {e.strerror or e}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise PolicyError(f"{path}: a policy file is at most {MAX_FILE_BYTES} bytes; this one is larger")
     try:
-        doc = yaml.safe_load(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line, line_start = data.count(b"\n", 0, e.start) + 1, data.rfind(b"\n", 0, e.start) + 1
+        raise PolicyError(f"{path}:{line}: not UTF-8 text: byte 0x{data[e.start]:02x} at column "
+                          f"{e.start - line_start + 1}") from None
+    lines = {}
+    try:
+        loader = _StrictLoader(text)
+        try:
+            root = loader.get_single_node()
+            lines = _key_lines(root, path)
+            return None if root is None else loader.construct_document(root), lines
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise PolicyError(f"{path}{line}: YAML syntax error: {problem}") from None
-    return doc, _lines(text)
+        raise PolicyError(_yaml_error(path, e, text, lines)) from None
+
+
+def _yaml_error(path, error, text, lines):
+    """``path:line: problem``: the line the error points at, the key on that line when the
+    document was composed, and PyYAML's own refusals called syntax errors."""
+    problem = _cut_message(getattr(error, "problem", None) or str(error).splitlines()[0])
+    if not isinstance(error, _Refused):
+        problem = f"YAML syntax error: {problem}"
+    mark = getattr(error, "problem_mark", None)
+    position = getattr(error, "position", None)    # the reader's: a character YAML does not allow
+    if mark is not None:
+        line = mark.line + 1
+    elif position is not None:
+        line = text.count("\n", 0, position) + 1
+    else:
+        return f"{path}: {problem}"
+    on_line = [key for key, at in lines.items() if at == line]
+    if on_line and not problem.startswith("key '"):
+        problem = f"key '{_cut(max(on_line, key=len))}': {problem}"
+    return f"{path}:{line}: {problem}"
 
 
 def resolve_path(spec):
     """A builtin name or a path -> (path, display name). Unknown builtins are an error."""
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if not isinstance(spec, str):
+        raise PolicyError(f"a policy is a builtin name or a path, not {type(spec).__name__} {shown(spec)}")
+    try:
+        return _resolve(spec)
+    except PolicyError:
+        raise
+    except (OSError, ValueError) as e:      # a name too long, a NUL byte
+        raise PolicyError(f"{shown(spec)}: cannot read policy file: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _resolve(spec):
+    """``resolve_path`` for a string, which may still be no path the OS takes (OSError, ValueError)."""
     if os.sep in spec or spec.endswith((".yaml", ".yml")) or Path(spec).exists():
         p = Path(spec)
         if not p.is_file():
-            raise PolicyError(f"{spec}: policy file not found")
+            raise PolicyError(f"{_cut(spec)}: policy file not found")
         return p, str(p)
     p = builtin_dir() / f"{spec}.yaml"
     if not p.is_file():
-        raise PolicyError(f"unknown builtin policy '{spec}' (builtins: {', '.join(builtin_names())})")
+        raise PolicyError(f"unknown builtin policy {shown(spec)} (builtins: {', '.join(builtin_names())})")
     return p, spec
 
 
@@ -554,8 +749,7 @@ def load(spec=None, env_overrides=None, overrides=None):
     _apply(values, overrides or {}, "enable() argument", {}, origins)
     sections = {s: cls(**values[s]) for s, cls in SECTIONS.items()}
     _check_algorithm(sections, origins, display)
-    name = meta.get("name", Path(path).stem)
-    return Policy(name=str(name), source=display, **sections)
+    return Policy(name=meta.get("name", Path(path).stem), source=display, **sections)
 
 
 def _check_algorithm(sections, origins, display):
@@ -591,6 +785,6 @@ def enable_overrides(kwargs):
             raise PolicyError("enable(): 'compile' was removed: use exact='rounding' "
                               "(torch's fused kernels or torch.compile, within float rounding)")
         else:
-            raise PolicyError(f"enable(): unknown argument '{k}' (use {', '.join(ENABLE_ALIASES)} "
+            raise PolicyError(f"enable(): unknown argument '{_cut(k)}' (use {', '.join(ENABLE_ALIASES)} "
                               f"or a section mapping: {', '.join(SECTIONS)})")
     return out

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 # Releases the version matrix (tools/torch_matrix.py) ran the test suite on; README "Torch versions".
-TESTED = ("2.11", "2.13", "2.14", "2.15")
-FLOOR = (2, 4)
+TESTED = ("2.7", "2.11", "2.13", "2.14", "2.15")
+FLOOR = (2, 7)     # the first release with every internal below as autopatch uses it
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,8 @@ DYNAMO = Internal(
     "dynamo",
     "torch._dynamo.utils.counters['stats']['unique_graphs'], torch._dynamo.config "
     "(force_parameter_static_shapes, fail_on_recompile_limit_hit, recompile_limit, called "
-    "cache_size_limit before 2.6), the _torchdynamo_disable mark on Optimizer._init_group",
+    "cache_size_limit before 2.7; fail_on_recompile_limit_hit from 2.7), the _torchdynamo_disable "
+    "mark on Optimizer._init_group",
     "the compiled route (policy fast) is not used: chunks step through torch's fused kernels or "
     "bitwise, with the reason")
 
@@ -263,7 +264,8 @@ def recompile_limit():
 
 
 def hit_recompile_limit(error):
-    return type(error).__name__ == "FailOnRecompileLimitHit"
+    """dynamo's error at its recompile limit (CacheLimitExceeded before 2.6)."""
+    return type(error).__name__ in ("FailOnRecompileLimitHit", "CacheLimitExceeded")
 
 
 def traceable(function):

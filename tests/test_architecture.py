@@ -79,3 +79,15 @@ def test_imports_follow_the_flow_between_rooms():
     res = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "BROKEN" not in res.stdout and "KEPT" in res.stdout
+
+
+def test_the_version_matrix_quick_tests_name_files_that_exist():
+    """tools/torch_matrix.py's quick leg lists test files by path; a move of a test must not
+    silently drop it from every other torch release's run."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import torch_matrix
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    missing = [path for path in torch_matrix.QUICK_TESTS if not (ROOT / path).exists()]
+    assert not missing, missing

@@ -1,6 +1,7 @@
 """Policies: every builtin loads, precedence holds, and every bad input is one clear PolicyError."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import torch
 
 from autopatch import env, policy, vocabulary
 from autopatch.policy import PolicyError
-from spawn import clean_env, run_python
+from spawn import clean_env, patience, run_python
 
 REQUIRED = {"default", "safe", "multi_layer", "backward", "forward", "autotune", "distributed",
             *vocabulary.ALGORITHMS}
@@ -17,8 +18,16 @@ REQUIRED = {"default", "safe", "multi_layer", "backward", "forward", "autotune",
 
 def write(tmp_path, text, name="p.yaml"):
     path = tmp_path / name
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     return path
+
+
+def laughs(levels):
+    """A "billion laughs": a list of anchored lists, each holding nine aliases of the one before,
+    so the last stands for 9**levels strings."""
+    parts = ["&a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    parts += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "[" + ", ".join(parts) + "]"
 
 
 # -- builtins -------------------------------------------------------------------------------------
@@ -127,6 +136,32 @@ BAD = {
                                        "'algorithm.name'"),
     "both spellings": ("fusion:\n  auto_order: [backward]\n  auto_candidates: [forward]\n", 2,
                        "'fusion.auto_order'"),
+    # Numbers that are not numbers, wherever a number is checked.
+    "NaN deviation": ("fusion:\n  exact: rounding\n  max_deviation: .nan\n", 3, "'fusion.max_deviation'"),
+    "NaN trial seconds": ("autotune:\n  trial_seconds: .nan\n", 2, "'autotune.trial_seconds'"),
+    "NaN warm-up seconds": ("autotune:\n  warmup_seconds: .NaN\n", 2, "'autotune.warmup_seconds'"),
+    "infinite compile budget": ("fusion:\n  compile_budget_seconds: .inf\n", 2, "'fusion.compile_budget_seconds'"),
+    "infinite timeout": ("allreduce:\n  timeout_seconds: .inf\n", 2, "'allreduce.timeout_seconds'"),
+    "an integer past Python's digit limit": ("fusion:\n  observe_steps: " + "9" * 5000 + "\n", 2,
+                                             "'fusion.observe_steps'"),
+    # What yaml.safe_load lets through.
+    "a key twice": ("fusion:\n  mode: auto\n  mode: backward\n", 3, "'fusion.mode'"),
+    "a section twice": ("fusion:\n  mode: auto\nlogging:\n  report: r.json\nfusion:\n  probe: false\n", 5,
+                        "'fusion'"),
+    "a nested key twice": ("data:\n  cache:\n    backend: local\n    backend: redis\n", 4,
+                           "'data.cache.backend'"),
+    "deep nesting": ("fusion:\n  mode: " + "[" * 5000 + "]" * 5000 + "\n", 2, "'fusion.mode'"),
+    "deep mappings": ("fusion:\n" + "".join("  " * (i + 1) + f"k{i}:\n" for i in range(40)), 16, "'fusion.k0"),
+    "laughs in an integer": ("fusion:\n  observe_steps: " + laughs(7) + "\n", 2, "'fusion.observe_steps'"),
+    "laughs in a choice": ("fusion:\n  mode: " + laughs(7) + "\n", 2, "'fusion.mode'"),
+    "laughs in the version": ("version: " + laughs(7) + "\n", 1, "'version'"),
+    "laughs in the name": ("name: " + laughs(7) + "\n", 1, "'name'"),
+    "laughs in a list of globs": ("optimizers:\n  include: " + laughs(7) + "\n", 2, "'optimizers.include'"),
+    "an alias inside its own node": ("fusion:\n  force: &a [*a]\n", 2, "'fusion.force'"),
+    "a name that is a list": ("name: [a, b]\n", 1, "'name'"),
+    "a name too long": ("name: " + "n" * 5000 + "\n", 1, "'name'"),
+    "invalid UTF-8": (b"version: 1\nname: caf\xe9\n", 2, "not UTF-8"),
+    "a NUL character": ("version: 1\nfusion:\n  mode: a\x00b\n", 3, "unacceptable character"),
 }
 
 
@@ -147,9 +182,30 @@ def test_bad_policy_names_file_line_and_key(tmp_path, case):
     with pytest.raises(PolicyError) as err:
         policy.load(str(path))
     msg = str(err.value)
-    assert msg.startswith(f"{path}:{line}:"), msg
-    assert key in msg, msg
+    assert msg.startswith(f"{path}:{line}:"), msg[:1000]
+    assert key in msg, msg[:1000]
     assert "\n" not in msg
+    assert len(msg) < len(str(path)) + 500, msg[:1000]      # a value is echoed, never expanded
+
+
+def test_a_file_larger_than_a_policy_is_refused_unread(tmp_path):
+    path = write(tmp_path, "version: 1\n" + "# padding\n" * (policy.MAX_FILE_BYTES // 10))
+    with pytest.raises(PolicyError, match=rf"^{path}: a policy file is at most {policy.MAX_FILE_BYTES} bytes"):
+        policy.load(str(path))
+
+
+def test_what_the_strict_loader_still_reads(tmp_path):
+    """Anchors, aliases and merge keys within the bound, a numeric name and a byte-order mark
+    read as they did through yaml.safe_load."""
+    text = ("\ufeffname: 2024\noptimizers:\n  include: &mine [Adam*, SGD]\nfusion:\n  force: *mine\n"
+            "autotune:\n  bounds: &b {chunk_size_2p: [8, 12]}\n  knobs: [chunk_size_2p]\n")
+    pol = policy.load(str(write(tmp_path, text)))
+    assert pol.name == "2024"
+    assert pol.optimizers.include == pol.fusion.force == ("Adam*", "SGD")
+    assert pol.autotune.bounds_of("chunk_size_2p") == (8, 12)
+    merged = policy.load(str(write(tmp_path, "algorithm: &shared {hierarchical: true}\n"
+                                              "allreduce: {<<: *shared, enabled: true}\n", "m.yaml")))
+    assert merged.allreduce.hierarchical is True and merged.allreduce.enabled is True
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path):
@@ -199,6 +255,79 @@ def test_bad_environment_value_names_the_variable(var, value, key):
     assert var in str(err.value) and f"'{key}'" in str(err.value)
 
 
+@pytest.mark.parametrize("var,value,key,needle", [
+    ("FUSEDOPT_AUTOTUNE_TRIAL_SECONDS", "nan", "autotune.trial_seconds", "finite"),
+    ("FUSEDOPT_AUTOTUNE_WARMUP_SECONDS", "inf", "autotune.warmup_seconds", "finite"),
+    ("FUSEDOPT_AUTOTUNE_WARMUP_SECONDS", "1e999", "autotune.warmup_seconds", "finite"),
+    ("FUSEDOPT_AUTOTUNE_TRIAL_SECONDS", "-Infinity", "autotune.trial_seconds", "finite"),
+    # os.environ holds bytes that are not UTF-8 as surrogates
+    ("FUSEDOPT_LOGDIR", b"/tmp/caf\xe9".decode("utf-8", "surrogateescape"), "logging.tensorboard_dir",
+     "not valid UTF-8 text: byte 0xe9"),
+    ("FUSEDOPT_MODE", "x" * 100_000, "fusion.mode", "expected one of"),
+])
+def test_environment_values_get_the_same_checks(var, value, key, needle):
+    with pytest.raises(PolicyError) as err:
+        policy.load("default", env_overrides=env.policy_overrides({var: value}))
+    msg = str(err.value)
+    assert var in msg and f"'{key}'" in msg and needle in msg and len(msg) < 500, msg[:1000]
+
+
+def _shared_lists(levels):
+    """A Python value like a YAML alias bomb: nine references to one list, ``levels`` deep."""
+    value = ["lol"] * 9
+    for _ in range(levels):
+        value = [value] * 9
+    return value
+
+
+def _nested(depth):
+    value = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _cycle():
+    value = []
+    value.append(value)
+    return value
+
+
+@pytest.mark.parametrize("kwargs,key,needle", [
+    ({"autotune": {"trial_seconds": float("nan")}}, "autotune.trial_seconds", "finite"),
+    ({"autotune": {"warmup_seconds": float("nan")}}, "autotune.warmup_seconds", "finite"),
+    ({"fusion": {"max_deviation": float("inf")}}, "fusion.max_deviation", "finite"),
+    ({"fusion": {"mode": _nested(100_000)}}, "fusion.mode", "nested deeper"),
+    ({"fusion": {"force": _cycle()}}, "fusion.force", "nested deeper"),
+    ({"fusion": {"mode": _shared_lists(9)}}, "fusion.mode", "larger than a policy"),
+    ({"optimizers": {"include": _shared_lists(9)}}, "optimizers.include", "larger than a policy"),
+    ({"mode": "multi\udcff"}, "fusion.mode", "not valid UTF-8"),
+    ({"fusion": {"observe_steps": 10 ** 5000}}, "fusion.observe_steps", "an int of about 5000 digits"),
+])
+def test_enable_arguments_get_the_same_checks(ap, kwargs, key, needle):
+    with pytest.raises(PolicyError) as err:
+        ap.enable(**kwargs)
+    msg = str(err.value)
+    assert f"'{key}'" in msg and needle in msg and len(msg) < 500, msg[:1000]
+    assert not ap.is_enabled()
+
+
+@pytest.mark.parametrize("spec,needle", [(3, "not int 3"), ("a\x00b", "unknown builtin policy 'a\\x00b'"),
+                                         ("x" * 5000, "File name too long")])
+def test_a_policy_that_is_no_name_or_path_is_one_error(ap, spec, needle):
+    with pytest.raises(PolicyError) as err:
+        ap.enable(spec)
+    assert needle in str(err.value) and len(str(err.value)) < 500, str(err.value)[:1000]
+
+
+def test_a_nested_cache_mapping_as_in_the_yaml_form(ap, tmp_path):
+    pol = policy.load("default", overrides=policy.enable_overrides(
+        {"data": {"cache": {"backend": "local", "name": "x", "path": str(tmp_path)}}}))
+    assert (pol.data.cache_backend, pol.data.cache_name, pol.data.cache_path) == ("local", "x", str(tmp_path))
+    session = ap.enable(data={"cache": {"backend": "local", "name": "x", "path": str(tmp_path)}})
+    assert session.policy.data == pol.data
+
+
 def test_bad_enable_arguments_leave_autopatch_off(ap):
     with pytest.raises(PolicyError, match="'fusion.mode'"):
         ap.enable(mode="turbo")
@@ -240,7 +369,14 @@ def test_policy_check_applies_environment_only_when_asked(tmp_path):
     assert json.loads(with_env.stdout.split("\n", 1)[1])["fusion"]["mode"] == "off"
 
 
-@pytest.mark.parametrize("case", ["unknown key in a section", "wrong type", "out of range"])
+def _one_gib_of_memory():
+    """A subprocess limit, so that a policy check expanding an alias bomb fails here, not the machine."""
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+
+@pytest.mark.parametrize("case", ["unknown key in a section", "wrong type", "out of range", "NaN trial seconds",
+                                  "a key twice", "deep nesting", "laughs in the name", "invalid UTF-8"])
 def test_policy_check_bad_file_exits_2_with_one_message(tmp_path, case):
     text, line, key = BAD[case]
     path = write(tmp_path, text)
@@ -248,8 +384,36 @@ def test_policy_check_bad_file_exits_2_with_one_message(tmp_path, case):
     assert res.returncode == 2
     assert res.stdout == ""
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1, res.stderr
+    assert len(lines) == 1, res.stderr[-3000:]
     assert f"{path}:{line}:" in lines[0] and key in lines[0]
+
+
+@pytest.mark.parametrize("where", ["fusion:\n  observe_steps: {}\n", "fusion:\n  mode: {}\n", "version: {}\n",
+                                   "name: {}\n"])
+def test_policy_check_refuses_a_billion_laughs_at_once(tmp_path, where):
+    """9**9 strings if expanded: refused while composing, one line, in the time a check takes."""
+    path = write(tmp_path, where.format(laughs(9)))
+    res = subprocess.run([sys.executable, "-m", "autopatch", "policy", "check", str(path)], env=clean_env(),
+                         capture_output=True, text=True, timeout=patience(20), preexec_fn=_one_gib_of_memory)
+    assert res.returncode == 2 and res.stdout == "", res.stderr[-3000:]
+    [line] = res.stderr.strip().splitlines()
+    assert line.startswith(f"autopatch: invalid policy: {path}:") and "aliases repeat more than" in line
+
+
+def test_zero_code_start_up_gives_a_deep_policy_the_same_one_error(tmp_path):
+    path = write(tmp_path, BAD["deep nesting"][0])
+    res = run_python(["-c", "print('the script ran')"], env=clean_env(FUSEDOPT_ENABLE="1", FUSEDOPT_POLICY=path))
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr == f"autopatch: invalid policy: {path}:2: key 'fusion.mode': nested deeper than " \
+                         f"{policy.MAX_DEPTH} levels\n"
+
+
+def test_policy_check_refuses_an_environment_value_that_is_not_utf8(tmp_path):
+    env_ = {**clean_env(), "FUSEDOPT_LOGDIR": b"/tmp/caf\xe9"}
+    res = run_python(["-m", "autopatch", "policy", "check", "--env", "default"], env=env_)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip() == ("autopatch: invalid policy: environment variable FUSEDOPT_LOGDIR: key "
+                                  "'logging.tensorboard_dir': not valid UTF-8 text: byte 0xe9 at character 9")
 
 
 @pytest.mark.parametrize("spec,needle", [("nosuch", "unknown builtin policy 'nosuch'"),

@@ -54,6 +54,7 @@ class Autotuner:
         self.decision_seconds = 0.0
         self.started = self.search_started = self.search_ended = None
         self.best_path = None
+        self.best_failed = None      # why the best config could not be saved, if it could not
         self.resume_config, note = read_resume(cfg.resume) if cfg.resume else (None, None)
         self.notes += [note] if note else []
         self._acc = timer.accumulator()
@@ -238,8 +239,8 @@ class Autotuner:
             return
         rec = self.book.frozen(decision, score.unit(self.samples_per_step), self.session.policy.source)
         if not decision.get("resumed"):
-            self.best_path = best_path(self.cfg, self.session.policy.logging.tensorboard_dir)
-            save_best(self.best_path, rec)
+            self.best_path, self.best_failed = save_best(
+                best_path(self.cfg, self.session.policy.logging.tensorboard_dir), rec)
         if self.board is not None:
             self.board.frozen({**rec, "best_json": self.best_path})
 
@@ -284,5 +285,7 @@ class Autotuner:
                 (self.search_ended or time.perf_counter()) - self.search_started
             out["cost"] = self.book.cost(searched, self.decision_seconds, self.samples_per_step)
         out["best_json"] = self.best_path
+        if self.best_failed:
+            out["best_json_failed"] = self.best_failed
         out["resumed_from"] = self.cfg.resume if self.resume_config is not None else None
         return out

@@ -91,4 +91,6 @@ class TrialBook:
             out["best"] = {k: self.best[k] for k in ("trial", "config", "score")} if self.best else None
             out["improvement_over_start"] = self.improvement()
         out["log_csv"] = self.csv.path if self.csv else None
+        if self.csv and self.csv.failed:
+            out["log_csv_failed"] = self.csv.failed
         return out

@@ -108,9 +108,11 @@ def describe_algorithm(choice, options, models):
     out = {"name": choice.name}
     algs = [(m, m["algorithm"]) for m in models if "algorithm" in m]
     running = [(m, a) for m, a in algs if "dropped" not in a]
-    if not running:
-        out.update(settings={"compression": options["compression"], "hierarchical": options["hierarchical"]},
-                   changes=GRADIENT_CHANGES[options["compression"]],
+    if not running:       # the bucketed allreduce's own settings, as each model runs them
+        effective = models or [options]
+        compression = effective[-1]["compression"]
+        out.update(settings={"compression": compression, "hierarchical": any(m["hierarchical"] for m in effective)},
+                   changes=GRADIENT_CHANGES[compression],
                    steps=max((m["synchronised_steps"] for m in models), default=0),
                    bytes_sent_per_step=sum(m["bytes_sent_per_step"] for m in models),
                    wait_seconds=round(sum(m["wait_seconds"] for m in models), 6))

@@ -10,9 +10,13 @@ dropped for that model, which keeps the gradient allreduce, and ``on_drop(model,
 says so. ``step_of(opt)`` is the algorithm that takes the optimizer's step over, if any.
 
 Nothing here imports the algorithms: the takeover is built while torch itself is being imported.
+An optimizer stepped over flat chunks (``autopatch.contrib.fuse_optimizer``) updates a model's
+parameters through views of the same memory: those steps count as steps over the model.
 """
 
 import weakref
+
+import torch
 
 
 class ModelAlgorithms:
@@ -58,9 +62,9 @@ class ModelAlgorithms:
         known = self._stepping.get(opt)
         if known is not None and known[0] == key:
             return known[1]
-        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        tensors = [p for g in opt.param_groups for p in g["params"]]
         found = [alg for model, alg in list(self.by_model.items())
-                 if any(id(p) in ids for p in alg.params) and self._fits(model, alg, opt)]
+                 if _updates(tensors, alg.params) and self._fits(model, alg, opt)]
         self._stepping[opt] = ((self._version, len(self.by_model), groups), found)
         return found
 
@@ -88,3 +92,13 @@ class ModelAlgorithms:
     def step_of(self, opt):
         """The algorithm whose ``step(opt)`` replaces ``opt``'s own step now, or None."""
         return next((alg for alg in self._stepped_by(opt) if alg.takes_step_of(opt)), None)
+
+
+def _updates(tensors, params):
+    """True when stepping ``tensors`` updates some of ``params``: one of them is among them, or
+    (fused steps: chunks of flat buffers stand in for the parameters) shares their memory."""
+    ids = {id(t) for t in tensors}
+    if any(id(p) in ids for p in params):
+        return True
+    storages = {t.untyped_storage().data_ptr() for t in tensors if t.layout == torch.strided}
+    return any(p.layout == torch.strided and p.untyped_storage().data_ptr() in storages for p in params)

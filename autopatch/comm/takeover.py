@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..patching import Ledger
 from ..policy import PolicyError
-from ..topology import why_not_hierarchical
+from ..topology import topology, why_not_hierarchical
 from ..torch_internals import DDP_HANDING_BACK, applied_in_backward, ddp_reducer_params, ddp_unsupported
 from .algorithm_choice import AlgorithmChoice
 from .allreduce import BucketedAllreduce
@@ -81,6 +81,8 @@ class DDPTakeover:
         self.reducers = weakref.WeakKeyDictionary()     # DDP model -> BucketedAllreduce, while in charge
         self.algorithms = ModelAlgorithms(self._dropped)
         self.log = TakeoverLog(warn)
+        self.groups = weakref.WeakKeyDictionary()       # every DDP model seen -> its process group
+        self.topology = None     # the job's nodes, once a model over the whole world was built
         # on_averaged() callbacks by handle id; torch's RemovableHandle needs a weakref-able dict
         self._listeners = collections.OrderedDict()
 
@@ -114,6 +116,9 @@ class DDPTakeover:
     def adopt(self, ddp):
         if ddp in self.reducers:
             return
+        self.groups[ddp] = ddp.process_group
+        if self.topology is None and why_not_hierarchical(ddp.process_group) is None:
+            self.topology = topology()       # every rank builds the model: a good moment to ask
         reducer = algorithm = None
         try:
             reason = _unsupported(ddp)
@@ -225,7 +230,7 @@ class DDPTakeover:
 
     # -- report and removal -------------------------------------------------------------------
     def describe(self):
-        return self.log.describe(self.choice, self.options)
+        return self.log.describe(self.choice, self.options, self.topology)
 
     def remove(self):
         """Give every model back to DDP's own reducer, close every algorithm, and restore the
@@ -259,6 +264,15 @@ class DDPTakeover:
         self.log.set_algorithm(entry, algorithm)
         if algorithm is not None:
             self.algorithms.add(ddp, algorithm)
+        return None
+
+    def group_of(self, params):
+        """The process group of the DDP model (taken over or left to DDP) holding any of
+        ``params``, or None when none does."""
+        ids = {id(p) for p in params}
+        for ddp in list(self.groups):
+            if any(id(p) in ids for p in ddp.module.parameters()):
+                return self.groups[ddp]
         return None
 
     def algorithm_of(self, params):

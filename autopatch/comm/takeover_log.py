@@ -69,8 +69,9 @@ class TakeoverLog:
         """Why DDP keeps ``ddp``'s own gradient sync, or None."""
         return self._left.get(ddp)
 
-    def describe(self, choice, options):
-        """The report's allreduce section, under the takeover's current ``options``."""
+    def describe(self, choice, options, topology=None):
+        """The report's allreduce section: the settings each model runs with (``options`` are the
+        policy's, which a model's algorithm or its process group may change), and the nodes."""
         models = [self._describe_entry(e) for e in self.entries]
         in_charge = [m for m in models if not m.get("ended", "").startswith("handed back")]
         if any("ended" not in m for m in models):
@@ -81,19 +82,23 @@ class TakeoverLog:
             reason = f"DDP keeps its own gradient sync: {self.left_to_ddp[-1]['reason']}"
         else:
             reason = "no DistributedDataParallel model has been built"
-        return {
+        effective = in_charge or [options]
+        out = {
             "active": bool(in_charge),
             "reason": reason,
             "bucket_bytes": options["bucket_bytes"],
             "buckets": sum(m["buckets"] for m in in_charge),
-            "compression": options["compression"],
-            "hierarchical": options["hierarchical"],
+            "compression": effective[-1]["compression"],
+            "hierarchical": any(m["hierarchical"] for m in effective),
             "bytes_sent_per_step": sum(m["bytes_sent_per_step"] for m in in_charge),
             "wait_seconds": round(sum(m["wait_seconds"] for m in models), 6),
             "algorithm": describe_algorithm(choice, options, in_charge),
             "models": models,
             "left_to_ddp": list(self.left_to_ddp),
         }
+        if topology is not None:
+            out["topology"] = topology.describe()
+        return out
 
     @staticmethod
     def _describe_entry(entry):

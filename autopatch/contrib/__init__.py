@@ -4,23 +4,29 @@
 - ``CachedDataset`` / ``CacheLoader``: Bagua's cached dataset (a node-local store by default,
   Redis across machines), and ``LoadBalancingDistributedSampler`` /
   ``LoadBalancingDistributedBatchSampler``: its load-balanced sampler (autopatch/data/);
+- ``RedisStore``: Bagua's Redis-backed store (a server per node, or existing servers);
 - ``with_bagua`` and Bagua's algorithm classes (``GradientAllReduceAlgorithm``,
   ``ByteGradAlgorithm``, ``DecentralizedAlgorithm``, ``LowPrecisionDecentralizedAlgorithm``,
-  ``AsyncModelAverageAlgorithm``, ``QAdamAlgorithm``) and ``QAdamOptimizer`` (comm/algorithms/).
+  ``AsyncModelAverageAlgorithm``, ``QAdamAlgorithm``) and ``QAdamOptimizer`` (comm/algorithms/);
+- ``autopatch.contrib.bagua``: a stand-in for ``bagua.torch_api`` (``init_process_group``,
+  ``get_rank``, ..., ``model.with_bagua(...)``, ``bagua.algorithms.gradient_allreduce`` and the
+  other algorithm modules), so a script changes only its import.
 """
 
 from .bagua_algorithms import (AsyncModelAverageAlgorithm, ByteGradAlgorithm, DecentralizedAlgorithm,
                                GradientAllReduceAlgorithm, LowPrecisionDecentralizedAlgorithm, QAdamAlgorithm,
-                               QAdamOptimizer, with_bagua)
+                               QAdamOptimizer)
 from .fused_optimizer import LEFT_TO_FUSE_STEP, fuse_optimizer, fuse_step, is_fused_optimizer
+from .with_bagua import with_bagua
 
 __all__ = ["fuse_optimizer", "fuse_step", "is_fused_optimizer", "LEFT_TO_FUSE_STEP", "CachedDataset",
            "CacheLoader", "LoadBalancingDistributedSampler", "LoadBalancingDistributedBatchSampler",
-           "with_bagua", "GradientAllReduceAlgorithm", "ByteGradAlgorithm", "DecentralizedAlgorithm",
-           "LowPrecisionDecentralizedAlgorithm", "AsyncModelAverageAlgorithm", "QAdamAlgorithm",
-           "QAdamOptimizer"]
+           "RedisStore", "with_bagua", "GradientAllReduceAlgorithm", "ByteGradAlgorithm",
+           "DecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithm", "AsyncModelAverageAlgorithm",
+           "QAdamAlgorithm", "QAdamOptimizer"]
 
-_DATA = ("CachedDataset", "CacheLoader", "LoadBalancingDistributedSampler", "LoadBalancingDistributedBatchSampler")
+_DATA = ("CachedDataset", "CacheLoader", "LoadBalancingDistributedSampler", "LoadBalancingDistributedBatchSampler",
+         "RedisStore")
 
 
 def __getattr__(name):

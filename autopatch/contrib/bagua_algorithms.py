@@ -1,25 +1,14 @@
-"""Bagua's algorithm classes and ``with_bagua``, for scripts written against Bagua.
+"""Bagua's algorithm classes, for scripts written against Bagua (``with_bagua`` runs them).
 
 Each class takes Bagua's constructor arguments, with Bagua's defaults, and names one of the
-policy's algorithms (comm/algorithms/). ``with_bagua(model, optimizers, algorithm)`` stands for
-Bagua's ``model.with_bagua(optimizers, algorithm)``: it wraps the model in
-``DistributedDataParallel``, whose gradient sync autopatch takes over, and runs the algorithm for
-that model. It enables autopatch first when it is off (the policy ``FUSEDOPT_POLICY`` names, else
-``default``), since the algorithms hear of each optimizer step through autopatch's hooks.
-
-Unlike Bagua's, which returned the module itself, ``with_bagua`` returns the DDP model: call it
-as Bagua's was called (``model = with_bagua(model, ...)``); its ``.module`` is the user's module.
+policy's algorithms (comm/algorithms/); the arguments are the settings the policy declares.
 """
 
 import inspect
-import warnings
-
-import torch
 
 from ..comm.algorithm_choice import AlgorithmChoice
 from ..comm.algorithms import QAdamOptimizer
 from ..policy import Algorithm, algorithm_settings
-from .fused_optimizer import is_fused_optimizer
 
 
 class BaguaAlgorithm:
@@ -105,15 +94,6 @@ class QAdamAlgorithm(BaguaAlgorithm):
         super().__init__(hierarchical=hierarchical, warmup_steps=q_adam_optimizer.warmup_steps)
 
 
-def _takeover():
-    import autopatch
-    session = autopatch.session() or autopatch.enable()
-    if session.allreduce is None:
-        raise RuntimeError(f"with_bagua needs autopatch's takeover of DistributedDataParallel, which the "
-                           f"policy {session.policy.source} turns off (allreduce.enabled: false)")
-    return session
-
-
 def _running_async(model):
     import autopatch
     session = autopatch.session()
@@ -122,22 +102,3 @@ def _running_async(model):
         raise ValueError(f"{type(model).__name__} does not run async model averaging (with_bagua with "
                          "AsyncModelAverageAlgorithm, or the async policy)")
     return algorithm
-
-
-def with_bagua(model, optimizers, algorithm, process_group=None, do_flatten=True):
-    """Bagua's ``model.with_bagua(optimizers, algorithm, process_group, do_flatten)``: returns
-    ``DistributedDataParallel(model)`` running ``algorithm``. Every rank calls it together.
-    ``do_flatten`` is accepted and has nothing left to do: the allreduce's buckets are flat."""
-    session = _takeover()
-    for opt in optimizers:
-        if is_fused_optimizer(opt):
-            raise ValueError(f"with_bagua: {type(opt).__name__} was given to fuse_optimizer, so its "
-                             f"fuse_step() runs outside autopatch's hooks and {algorithm.name} would never "
-                             "hear of its steps; drop fuse_optimizer (autopatch fuses every step itself)")
-        session.optimizer(opt)         # KeyError: autopatch does not see this optimizer's steps
-    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group)
-    left = session.allreduce.use_algorithm(ddp, algorithm.choice())
-    if left is not None:
-        warnings.warn(f"autopatch: with_bagua: {algorithm.name} does not run, DDP keeps its own gradient sync: "
-                      f"{left}", RuntimeWarning, stacklevel=2)
-    return ddp

@@ -19,6 +19,8 @@ tensor's version counter and is an error, never a silently different result.
 """
 
 
+import weakref
+
 from ..torch_internals import own_parameters, version_counter
 from .chunk_step import hyperparameters
 from .multi_layer import split_by_grads
@@ -41,6 +43,8 @@ class ForwardFusion(PlannedStrategy):
         self.hparams = {}      # group index -> hyperparameters of the step that recorded
         self.lists = ParamSwap()   # the user's params lists while step() runs the rest
         self.applying = False  # inside _apply: reads of the optimizer's state apply nothing more
+        self.holding = None    # the optimizer, held strongly while its updates wait (see _hold)
+        self.modules = weakref.WeakSet()   # the modules whose forward applied this optimizer's updates
         self.deferred = 0
         self.applied_in_forward = 0
         self.fallback_steps = 0
@@ -72,7 +76,22 @@ class ForwardFusion(PlannedStrategy):
         if self.lists:
             self.deferred += 1
             apply_on_read(self.opt, self._apply_unless_applying)
+        self._hold()
         return None
+
+    def _hold(self):
+        """An optimizer dropped right after ``step()`` (a script's last step, a loop that builds
+        one per phase) has already made its update as far as the user can tell: while any of its
+        updates waits for a forward, the strategy holds it, so that a read, the next forward or
+        ``disable()`` still applies them. Let go as soon as nothing waits, or once every module
+        that ever applied its updates is gone (the model was dropped too: nothing can run them,
+        and holding on would keep the optimizer for the rest of the process)."""
+        self.holding = self.opt if self.pending else None
+
+    def _met(self, module):
+        if module not in self.modules:
+            self.modules.add(module)
+            weakref.finalize(module, _module_gone, weakref.ref(self))
 
     def after_step(self):
         self.lists.restore()
@@ -82,6 +101,7 @@ class ForwardFusion(PlannedStrategy):
         keys = {self.by_param.get(id(p)) for p in own_parameters(module)}
         keys.discard(None)
         if keys:
+            self._met(module)
             self._apply(keys)
             self.applied_in_forward += len(keys)
 
@@ -123,6 +143,7 @@ class ForwardFusion(PlannedStrategy):
             why = run.sync(self.opt.state.__getitem__, [ci])
             if why:
                 raise RuntimeError(f"autopatch: {type(self.opt).__qualname__}: {why}")
+        self._hold()
 
     def has_pending(self):
         return bool(self.pending)
@@ -147,3 +168,10 @@ class ForwardFusion(PlannedStrategy):
         key = self.by_param.get(id(param))
         if key is not None:
             self._apply([key])
+
+
+def _module_gone(strategy_ref):
+    """A module that ran this strategy's updates was freed: with none left, stop holding."""
+    strategy = strategy_ref()
+    if strategy is not None and next(iter(strategy.modules), None) is None:   # skips the dying one
+        strategy.holding = None

@@ -157,11 +157,11 @@ class ActiveMode:
     def release(self, reason=None):
         """Apply anything pending and let the strategy go; its report stays. With ``reason`` the
         optimizer is reported unpatched from now on, and why (else as the mode that last ran)."""
-        if self.strategy is not None:
-            self.strategy.deactivate()
-            self.final_fusion = self.strategy.describe()
-            self.forward_reads.untrack(self.strategy)
-        self.strategy = None
+        strategy, self.strategy = self.strategy, None   # applying may free the optimizer: forget()
+        if strategy is not None:
+            strategy.deactivate()
+            self.final_fusion = strategy.describe()
+            self.forward_reads.untrack(strategy)
         if reason is not None:
             self.mode, self.reason = OFF, reason
 

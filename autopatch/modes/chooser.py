@@ -1,8 +1,9 @@
 """Which mode runs one optimizer: an explicit machine of phases, each step boundary returning a
 decision with its reason.
 
-- ``new``: nothing decided. The first ``step()`` probes the class, chooses how chunks are stepped
-  (the route) and what runs meanwhile.
+- ``new``: nothing decided. The first ``step()`` (under mode auto, the second: the first runs
+  unpatched with nothing set up) probes the class, chooses how chunks are stepped (the route) and
+  what runs meanwhile.
 - ``watching``: backward and forward fusion are right for some training loops only, so neither
   runs before the first steps have been watched (modes/watch.py): a policy naming one of them
   gets multi_layer meanwhile, mode auto runs unpatched.
@@ -16,6 +17,7 @@ decision with its reason.
 Autotune may also switch the mode at run time; ``chosen_by`` says who set the mode in effect.
 """
 
+import functools
 import sys
 from typing import NamedTuple, Optional
 
@@ -28,6 +30,9 @@ from .auto import AutoMode
 from .watch import CLOSURE, Observation
 
 NEW, WATCHING, MEASURING, SETTLED, STOPPED = "new", "watching", "measuring", "settled", "stopped"
+# Mode auto sets nothing up before an optimizer's second step: one that lives for a step (a
+# learning-rate finder's, a test's, a throw-away copy) costs its adoption alone.
+FIRST_STEP = "auto: unpatched for its first step; watched from the second"
 
 
 class Decision(NamedTuple):
@@ -83,6 +88,8 @@ class ModeChooser:
         if self.observation is not None:
             self.observation.on_step(closure)
         if self.phase == NEW:
+            if self.auto is not None and step == 1:
+                return Decision(OFF, FIRST_STEP)
             return self._first_step(opt, step, current)
         if self.observation is None and self.eligibility.fusable:
             return self._watch_run(opt, closure, step, current)
@@ -179,12 +186,13 @@ class ModeChooser:
             else:
                 allowed.append(mode)
         agree = None
-        if dist.world_size() > 1:
-            everywhere = dist.gather(allowed)
+        group = self.eligibility.process_group(opt) if dist.world_size() > 1 else None
+        if group is not None:       # a model several ranks train: they walk one schedule
+            everywhere = dist.gather(allowed, group)
             for mode in [m for m in allowed if not all(m in other for other in everywhere)]:
                 allowed.remove(mode)
                 ruled_out[mode] = "ruled out in another process"
-            agree = dist.agree
+            agree = functools.partial(dist.agree, group=group)
         device = next((p.device for g in opt.param_groups for p in g["params"]), torch.device("cpu"))
         first = self.auto.start(allowed, ruled_out, why, step, device, agree, current=current)
         if first is None:

@@ -108,12 +108,20 @@ class OptimizerController:
         with guard.fallback(self.active, opt, "leaving a mode"):
             self._apply(opt, self.chooser.incident(WATCHED_MODES, what, self.steps, self.mode))
 
-    def release(self, reason=None):
-        """Apply anything pending and remove every hook; the optimizer goes on as unpatched.
-        With ``reason``, the report says it runs unpatched and why."""
+    def release(self):
+        """Apply anything pending and remove every hook; the optimizer goes on as unpatched."""
         self.chooser.stop(LET_GO)
-        self.active.release(reason)
+        self.active.release()
         self.interception.remove()
+
+    def leave(self, reason):
+        """Stop fusing this optimizer's steps for good (the report says why), but go on hearing of
+        them: the communication side still runs around each step (``fuse_optimizer``'s
+        ``fuse_step`` steps it through ``step()``, and with_bagua's algorithm must see those)."""
+        opt = self.ref()
+        self.chooser.stop(reason)
+        with guard.fallback(self.active, opt, "leaving the optimizer to its own fused step"):
+            self.active.release(reason)
 
     def describe(self):
         opt = self.ref()

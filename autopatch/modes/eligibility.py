@@ -89,6 +89,12 @@ class Eligibility:
         averaged its gradients: the one averaging all of this optimizer's, or None."""
         return self.comm.averager_of([p for g in opt.param_groups for p in g["params"] if p.requires_grad])
 
+    def process_group(self, opt):
+        """The process group of the DDP model ``opt`` updates: the ranks the choice of its mode
+        must agree with. None when no such model is known (a model each rank trains alone, or
+        sharded ones whose collectives are not in the step): the choice is this rank's own."""
+        return self.comm.group_of([p for g in opt.param_groups for p in g["params"]])
+
     def accept(self):
         """The probe accepted the class: its mode may change at run time."""
         self.fusable = True

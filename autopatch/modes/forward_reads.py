@@ -37,14 +37,16 @@ class ForwardReads:
     torch is imported only once something runs mode forward."""
 
     def __init__(self, flush):
-        self.fusions = set()       # the strategies in mode forward
+        self.fusions = ()          # the strategies in mode forward; replaced, never changed in
+                                   # place, as applying may free an optimizer and untrack it
         self.flush = flush         # applies every pending update
         self.local = threading.local()
         self._ledger = None
 
     def track(self, strategy):
         """``strategy`` runs mode forward from now on."""
-        self.fusions.add(strategy)
+        if strategy not in self.fusions:
+            self.fusions += (strategy,)
         if self._ledger is None:
             import torch
             ledger = Ledger()
@@ -53,7 +55,7 @@ class ForwardReads:
             self._ledger = ledger
 
     def untrack(self, strategy):
-        self.fusions.discard(strategy)
+        self.fusions = tuple(f for f in self.fusions if f is not strategy)
         if not self.fusions:
             self.close()
 
@@ -125,14 +127,14 @@ class ForwardReads:
         forward: a plain function whose only extra work is one membership test per optimizer in mode
         forward (benchmarks/bench_forward_reads.py measures it)."""
         from ..torch_internals import is_compiling
-        fusions = self.fusions
+        reads = self
 
         @functools.wraps(original)
         def __getattr__(module, name):
             value = original(module, name)
             # torch.compile traces this function too: applying an update is no graph operation,
             # so nothing is applied while it compiles.
-            for fusion in fusions:
+            for fusion in reads.fusions:
                 if fusion.holds_pending(value) and not is_compiling():
                     fusion.apply_param(value)
             return value

@@ -16,8 +16,10 @@ module's forward is told apart from one used elsewhere by the module call on the
 (``torch_internals.module_running``). Hooks and records hold the parameters and the optimizer
 weakly: a dropped optimizer and its model are freed as they would be unpatched.
 
-Compiled code cannot be watched this way (dynamo would trace the subclass), so once the program
-has compiled anything, parameters are not wrapped and both modes are ruled out for the run.
+Compiled code must never meet the subclass (dynamo would guard on it and trace it), so once the
+program has compiled anything, the window opens only once backward is over (the user's own code
+between backward and ``step()`` runs eagerly) and forward fusion is ruled out, as it would be
+anyway: a deferred update cannot be applied inside compiled code.
 """
 
 import functools
@@ -43,13 +45,13 @@ CLOSURE = "closure-based step()"
 GRAD_READ = "gradients used between backward and step() (clipping, GradScaler, logging)"
 PARAM_READ_AFTER_BACKWARD = "parameters used between backward and step()"
 PARAM_READ_EARLY = "a parameter is used after step() before its own module runs"
-COMPILED = "modules run inside torch.compile (the watch cannot see inside compiled code)"
+COMPILED = "modules run inside torch.compile (a deferred update cannot be applied inside compiled code)"
 GRAD_USED_AFTER_STEP = "gradients used after step() (backward fusion frees them inside backward)"
 GRAD_WRITE_AFTER_STEP = "gradients changed in place after step() (a deferred update still needs them)"
 UNWATCHABLE = "a parameter or gradient of a tensor subclass (the watch cannot follow it)"
 
 BACKWARD_BLOCKERS = (ACCUMULATION, DOUBLE_BACKWARD, SPARSE, CLOSURE, GRAD_READ, PARAM_READ_AFTER_BACKWARD,
-                     GRAD_USED_AFTER_STEP, COMPILED, UNWATCHABLE)
+                     GRAD_USED_AFTER_STEP, UNWATCHABLE)
 FORWARD_BLOCKERS = (CLOSURE, SPARSE, PARAM_READ_EARLY, GRAD_WRITE_AFTER_STEP, COMPILED, UNWATCHABLE)
 
 PARAM, STEPPED_GRAD, GRAD = "param", "stepped grad", "grad"
@@ -125,6 +127,8 @@ class Observation:
         self.got_grad, self.entered = set(), set()
         self.in_backward = self.after_backward = False
         self.wrapped = []          # weak references to the tensors wrapped in this window
+        self.window = False        # between a step() and the next one, while watching
+        self.compiled = False      # the program compiles: the window opens at backward's end
         me = weakref.ref(self)
         self.handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, me)) for p in params]
         self._closer = weakref.finalize(opt, self.close)   # a freed optimizer is watched no more
@@ -173,10 +177,13 @@ class Observation:
     def backward_done(self):
         self.in_backward = False
         self.after_backward = True
-        if self.wrapped:               # the window is open: its new gradients are watched too
-            for p in self._live_params():
-                if p.grad is not None and id(p.grad) not in _watched:
-                    self._wrap(p.grad, GRAD)
+        if not self.window:
+            return
+        for p in self._live_params():      # the window is open: its new gradients are watched too
+            if self.compiled and id(p) not in _watched:
+                self._wrap(p, PARAM)
+            if p.grad is not None and id(p.grad) not in _watched:
+                self._wrap(p.grad, GRAD)
 
     def saw(self, t, role, name):
         if role == STEPPED_GRAD:
@@ -200,6 +207,7 @@ class Observation:
     def on_step(self, closure):
         """At step(): close the window that began after the previous step()."""
         self._unwrap_all()
+        self.window = False
         if closure is not None:
             self._note(CLOSURE)
         self.steps += 1
@@ -209,10 +217,13 @@ class Observation:
         self.got_grad.clear()
         self.entered.clear()
         self.after_backward = False
-        if user_compiled():
-            self._note(COMPILED)
-        if self.done or COMPILED in self.findings:
+        if self.done:
             return
+        self.window = True
+        if user_compiled():
+            self.compiled = True
+            self._note(COMPILED)
+            return                     # from backward's end on only
         for p in self._live_params():
             self._wrap(p, PARAM)
             if p.grad is not None:

@@ -1,10 +1,10 @@
 """The run report: one JSON-serialisable dict, and the file ``FUSEDOPT_REPORT`` names."""
 
 import json
-import os
 import time
 
 from .. import dist
+from .files import folder_of
 
 REPORT_VERSION = 1
 
@@ -40,12 +40,13 @@ def report_path(template):
 
 
 def write_report(report, template):
+    """The report at the path ``template`` gives this rank (None: this rank writes none), written
+    whole or not at all, never through a link (reporting/files.py). Raises what fails."""
     path = report_path(template)
     if path is None:
         return None
-    d = os.path.dirname(path)
-    if d:
-        os.makedirs(d, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
+    data = json.dumps(report, indent=2).encode()
+    folder, name = folder_of(path)
+    with folder:
+        folder.write_whole(name, data)
     return path

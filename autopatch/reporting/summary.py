@@ -23,9 +23,23 @@ def summary(report):
     if algorithm and report["allreduce"]["active"]:
         settings = ", ".join(f"{k} {v}" for k, v in algorithm["settings"].items())
         extra = "".join(f", {k.replace('_', ' ')} {algorithm[k]}" for k in ("averaging_rounds", "phase") if k in algorithm)
-        lines.append(f"  communication: {algorithm['name']} ({settings}): {algorithm['bytes_sent_per_step']} bytes "
-                     f"sent per step, {algorithm['wait_seconds']:.3f} s waiting{extra}")
+        topology = report["allreduce"].get("topology")
+        nodes = "" if topology is None else (f" on {topology['nodes']} node(s) of {'+'.join(map(str, topology['ranks_per_node']))} "
+                                             f"ranks (leaders {', '.join(map(str, topology['leaders']))})")
+        lines.append(f"  communication: {algorithm['name']} ({settings}){nodes}: {algorithm['bytes_sent_per_step']} "
+                     f"bytes sent per step, {algorithm['wait_seconds']:.3f} s waiting{extra}")
+    not_written = _not_written(report)
+    if not_written:
+        lines.append("  not written (training went on): " + "; ".join(not_written))
     return "\n".join(lines)
+
+
+def _not_written(report):
+    """The output files that went off during the run, and why (each said once on stderr then)."""
+    board, tune = report.get("tensorboard") or {}, report.get("autotune") or {}
+    return [f"{what}: {why}" for what, why in ((f"TensorBoard logs in {board.get('logdir')}", board.get("failed")),
+                                               (f"the trials CSV {tune.get('log_csv')}", tune.get("log_csv_failed")),
+                                               ("the best config", tune.get("best_json_failed"))) if why]
 
 
 def _auto_line(auto, steps, wall_seconds):

@@ -9,6 +9,7 @@ goes for DistributedDataParallel, whose gradient sync the comm room takes over.
 import gc
 import sys
 import time
+import weakref
 
 import wrapt
 
@@ -35,6 +36,7 @@ class Runtime:
         self.data = None   # the data side's patches (data/), when the policy asks for them
         self._optimizers_patched = False
         self._by_id = {}
+        self._live = weakref.WeakSet()    # the adopted optimizers still alive
         self._detach = lambda: None
         self.sections.add("allreduce", self._describe_collectives)
         self.sections.add("autotune", lambda: {
@@ -114,14 +116,17 @@ class Runtime:
 
     def _describe_collectives(self):
         """The allreduce section; with sharded parameters it says their collectives stay FSDP's."""
-        from ..reporting.sharded_params import note_collectives
         if self.comm is not None:
             section = self.comm.describe()
         elif self.policy.allreduce.enabled is False:
             section = {"active": False, "reason": "allreduce.enabled is false"}
         else:
             section = {"active": False, "reason": "DistributedDataParallel was never imported"}
-        return note_collectives(section, [o for o in (c.optimizer for c in self.controllers) if o is not None])
+        optimizers = [o for o in (c.optimizer for c in self.controllers) if o is not None]
+        if not optimizers:        # nothing sharded to speak of (and torch may not be imported at all)
+            return section
+        from ..reporting.sharded_params import note_collectives
+        return note_collectives(section, optimizers)
 
     def _after_init(self, wrapped, instance, args, kwargs):
         wrapped(*args, **kwargs)
@@ -137,6 +142,7 @@ class Runtime:
             ctrl = OptimizerController(opt, self.policy, self.events, self.forward_reads, self.comm_view)
             self._by_id[id(opt)] = ctrl
             self.controllers.append(ctrl)
+            self._live.add(opt)
             for other in sharing:
                 other.shares_parameters(ctrl.qualname)
                 ctrl.shares_parameters(other.qualname)
@@ -144,22 +150,10 @@ class Runtime:
 
     def _sharing(self, opt):
         """The live optimizers' controllers that step some of ``opt``'s parameters (a user who
-        re-creates an optimizer and keeps the old one, say). Garbage is collected first when
-        there are any, so a dropped optimizer waiting in a reference cycle does not count."""
-        mine = {id(p) for g in opt.param_groups for p in g["params"]}
-        found = self._overlapping(mine)
-        if found:
-            gc.collect()
-            found = self._overlapping(mine)
-        return found
-
-    def _overlapping(self, ids):
-        out = []
-        for ctrl in self.controllers:
-            other = ctrl.optimizer
-            if other is not None and any(id(p) in ids for g in other.param_groups for p in g["params"]):
-                out.append(ctrl)
-        return out
+        re-creates an optimizer and keeps the old one, or loads one's state into another)."""
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        return [self.controller_of(other) for other in list(self._live)
+                if any(id(p) in ids for g in other.param_groups for p in g["params"])]
 
     def controller_of(self, opt):
         ctrl = self._by_id.get(id(opt))

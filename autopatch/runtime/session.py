@@ -31,11 +31,12 @@ class Session:
         return ctrl
 
     def leave(self, opt, reason):
-        """Take autopatch's hooks off ``opt`` for good: it runs unpatched, and the report says
-        ``reason`` (``autopatch.contrib.fuse_optimizer`` takes an optimizer over this way)."""
+        """autopatch no longer fuses ``opt``'s steps, and the report says ``reason``
+        (``autopatch.contrib.fuse_optimizer`` takes an optimizer over this way); what runs around
+        each step (a communication algorithm) goes on."""
         ctrl = self.runtime.controller_of(opt)
         if ctrl is not None:
-            ctrl.release(reason)
+            ctrl.leave(reason)
 
     @property
     def served_data(self):

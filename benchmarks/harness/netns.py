@@ -8,6 +8,8 @@ the run and deleted afterwards, whatever happens. Needs root (``ip netns``, ``tc
 runs the ranks exactly as ``launch.run_ranks`` does (the same environment, return codes, outputs
 and a results file per rank), with MASTER_ADDR and GLOO_SOCKET_IFNAME pointing at the shaped
 network. ``shaped_network(world_size, rate, delay)`` is the network alone, as a context manager.
+``two_nodes(rate)`` makes two machines joined by one link, on which ``torchrun`` runs a job of
+two nodes with any number of processes on each.
 
 The link is shared: every rank's packets cross one link of ``rate`` (as on one switch port), so a
 ring all_reduce of S bytes over N ranks puts 2 (N - 1) S bytes through it.
@@ -162,3 +164,62 @@ def run_ranks_shaped(argv, world_size, rate, delay=None, **launch):
     """``launch.run_ranks`` on a network of ``rate`` (and ``delay``) made for the call."""
     with shaped_network(world_size, rate, delay) as network:
         return run_ranks(argv, world_size, where=network.where, **launch)
+
+
+class Nodes:
+    """Machines as a cluster has them, on one machine: a network namespace per node, joined by a
+    veth link (``address(n)`` is node n's address on it, ``device(n)`` its interface)."""
+
+    def __init__(self, names):
+        self.names = names
+
+    @staticmethod
+    def address(node):
+        return f"10.77.{os.getpid() % 250}.{node + 1}"
+
+    @staticmethod
+    def device(node):
+        return f"apv{os.getpid() % 100000}n{node}"
+
+    def torchrun(self, script, procs_per_node, env, timeout, args=()):
+        """``torchrun --nnodes=N`` in every node's namespace at once (c10d rendezvous on node 0,
+        any number of processes on each node); returns each node's (return code, output). A node
+        still running at ``timeout`` seconds is killed with its workers."""
+        port = 29000 + os.getpid() % 1000
+        procs = []
+        for node, nproc in enumerate(procs_per_node):
+            command = ["ip", "netns", "exec", self.names[node], sys.executable, "-m", "torch.distributed.run",
+                       f"--nnodes={len(procs_per_node)}", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+                       f"--rdzv_endpoint={self.address(0)}:{port}", f"--rdzv_id=nodes{os.getpid()}",
+                       f"--rdzv_conf=is_host={int(node == 0)}", f"--local_addr={self.address(node)}",
+                       "--max_restarts=0", str(script), *map(str, args)]
+            procs.append(subprocess.Popen(command, env=dict(env, GLOO_SOCKET_IFNAME=self.device(node)),
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+        out = []
+        for p in procs:
+            try:
+                out.append((p.communicate(timeout=timeout)[0], p.returncode))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                out.append((p.communicate()[0] + "\n[killed: timed out]", None))
+        return [(code, text) for text, code in out]
+
+
+@contextmanager
+def two_nodes(rate=None, *, timeout=10):
+    """Two namespaces joined by one veth link (shaped to ``rate`` when given, as a 1 Gbit/s link
+    between two machines would be); yields Nodes. Everything made for it is gone on the way out."""
+    with ExitStack() as stack:
+        stack.enter_context(_sigterm_unwinds())
+        names = [stack.enter_context(namespace(timeout)) for _ in range(2)]
+        net = Nodes(names)
+        _ip("link", "add", net.device(0), "type", "veth", "peer", "name", net.device(1), timeout=timeout)
+        for node, ns in enumerate(names):
+            _ip("link", "set", net.device(node), "netns", ns, timeout=timeout)
+            _ip("-n", ns, "addr", "add", f"{net.address(node)}/24", "dev", net.device(node), timeout=timeout)
+            _ip("-n", ns, "link", "set", net.device(node), "up", timeout=timeout)
+            if rate:
+                _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", net.device(node), "root",
+                    *tbf_arguments(rate), timeout=timeout)
+        yield net

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import re
 import shutil
 import socket
@@ -10,51 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from spawn import ROOT, clean_env, patience, run_python, write_script
+from spawn import clean_env, patience, run_python, write_script
+from autotune_job import FAST, FAST_YAML, job
 from training import assert_same, batches, mlp, train, weights
 
 pytest.importorskip("bayes_opt")
-
-# Short trials on a small model: about 20 steps each, a few seconds for the whole search.
-FAST = {"warmup_steps": 3, "trial_seconds": 0.02, "windows": 3, "max_samples": 6,
-        "bounds": {"chunk_size_2p": [8, 14]}}
-FAST_YAML = """
-version: 1
-autotune:
-  enabled: true
-  knobs: [mode, chunk_size_2p]
-  warmup_steps: 3
-  trial_seconds: 0.02
-  windows: 3
-  max_samples: 6
-  bounds: {chunk_size_2p: [8, 14]}
-"""
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two threads on two shared cores make step times erratic; the search needs steady ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def job(steps=None, until_frozen=None, limit=5000, after=20):
-    """Train ``steps`` steps, or (autotuned) until ``after`` steps past the freeze: trials last
-    seconds, so how many steps a search takes depends on the machine's speed."""
-    torch.manual_seed(0)
-    model = mlp(width=32, depth=8)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses, frozen_at = [], None
-    for i, batch in enumerate(batches(steps or limit, width=32, batch=16)):
-        losses += train(model, opt, [batch])
-        if until_frozen and frozen_at is None and i % 10 == 0 and until_frozen.report()["autotune"]["phase"] == "frozen":
-            frozen_at = i
-        if frozen_at is not None and i == frozen_at + after:
-            break
-    return model, losses
-
 
 def test_search_explores_freezes_best_and_trains_like_unpatched(ap, tmp_path):
     ap.enable("autotune", autotune={**FAST, "log_csv": str(tmp_path / "trials.csv"),
@@ -127,16 +88,19 @@ def test_bagua_flags_give_the_csv_the_policy_keys_give(ap, tmp_path):
     policy_file = tmp_path / "fast.yaml"
     policy_file.write_text(FAST_YAML)
     script = write_script(tmp_path / "job.py", JOB)
+    temp = tmp_path / "temp"
+    temp.mkdir()
     out = run_python(["-m", "autopatch", "run", "--policy", policy_file, "--autotune_level", "1",
                       "--autotune_max_samples", "5", "--autotune_sampling_confidence_time", "0.02",
-                      "--autotune_warmup_time", "0", "--is_output_autotune_log", script])
+                      "--autotune_warmup_time", "0", "--is_output_autotune_log", script],
+                     env=clean_env(TMPDIR=temp))
     assert out.returncode == 0, out.stderr
     path = Path(re.search(r"autopatch: autotune log: (\S+)", out.stderr).group(1))
-    try:
-        assert path.name.startswith("autopatch_autotune_") and path.suffix == ".log"
-        flag_rows = list(csv.reader(path.open()))
-    finally:
-        path.unlink()
+    # where Bagua wrote it, the temp dir, but in this user's private directory there
+    assert path.parent == temp / f"autopatch-{os.getuid()}" and path.parent.stat().st_mode & 0o777 == 0o700
+    assert path.name.startswith("autopatch_autotune_") and path.suffix == ".log"
+    assert path.stat().st_mode & 0o777 == 0o600
+    flag_rows = list(csv.reader(path.open()))
 
     ap.enable(str(policy_file), autotune={"max_samples": 5, "trial_seconds": 0.02, "warmup_seconds": 0.0,
                                           "log_csv": str(tmp_path / "keys.csv")})
@@ -255,11 +219,13 @@ def test_accumulation_starting_mid_trial_fails_that_trial_not_the_run(ap, tmp_pa
     assert [r[0] for r in rows[1:] if r[2] == "failed"] == ["backward"]
 
 
-def test_a_failure_inside_the_tuner_stops_the_search_and_keeps_training(ap, tmp_path, capsys):
-    """The trials CSV's directory disappears mid-search: writing the next row fails. The search
-    stops with the best config so far, says why, and training goes on exactly as unpatched."""
+def test_a_trials_csv_that_disappears_mid_search_goes_off_and_the_search_goes_on(ap, tmp_path, capsys):
+    """The trials CSV's directory disappears mid-search: writing the next row fails. The CSV goes
+    off with one warning and the report says why; the search runs to its end, and training goes
+    on exactly as unpatched."""
     logs = tmp_path / "logs"
-    ap.enable("autotune", autotune={**FAST, "log_csv": str(logs / "trials.csv")})
+    ap.enable("autotune", autotune={**FAST, "log_csv": str(logs / "trials.csv"),
+                                    "save_best": str(tmp_path / "best.json")})
     torch.manual_seed(0)
     model = mlp(width=32, depth=8)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -274,8 +240,28 @@ def test_a_failure_inside_the_tuner_stops_the_search_and_keeps_training(ap, tmp_
     tune = ap.report()["autotune"]
     ap.disable()
     ref_model, ref_losses = job(len(losses))
-    assert tune["phase"] == "frozen" and "FileNotFoundError" in tune["failed"], tune
-    assert tune["applied"][-1][1] == tune["best"]["config"]
+    assert tune["phase"] == "frozen" and "failed" not in tune, tune
+    assert len(tune["trials"]) >= 5 and tune["applied"][-1][1] == tune["best"]["config"]
+    assert "FileNotFoundError" in tune["log_csv_failed"], tune
+    assert json.loads((tmp_path / "best.json").read_text())["config"] == tune["best"]["config"]
+    [warning] = [line for line in capsys.readouterr().err.splitlines() if "autotune" in line]
+    assert warning.startswith(f"autopatch: autotune: the trials CSV {logs / 'trials.csv'} is off: FileNotFoundError")
+    assert_same(losses, ref_losses)
+    assert_same(weights(model), weights(ref_model))
+
+
+def test_a_failure_inside_the_tuner_stops_the_search_and_keeps_training(ap, tmp_path, capsys):
+    """A hand-edited resume file holds a chunk size that is no number: applying it fails inside
+    the tuner. The search stops, keeps the config in effect, says why, and training goes on
+    exactly as unpatched."""
+    resume = tmp_path / "best.json"
+    resume.write_text(json.dumps({"version": 1, "config": {"chunk_size_2p": "big"}}))
+    ap.enable("autotune", autotune={**FAST, "resume": str(resume)})
+    model, losses = job(until_frozen=ap)
+    tune = ap.report()["autotune"]
+    ap.disable()
+    ref_model, ref_losses = job(len(losses))
+    assert tune["phase"] == "frozen" and "TypeError" in tune["failed"], tune
     assert any("autotune stopped" in n for n in tune["notes"])
     assert "autopatch: autotune stopped after" in capsys.readouterr().err
     assert_same(losses, ref_losses)

@@ -185,9 +185,10 @@ def test_qadam_warmup_is_torch_adam_bit_for_bit(four):
 
 @pytest.mark.parametrize("kind", ["adam", "adamw", "optimizer"])
 def test_qadam_after_warmup_uses_the_switch_gradient_and_weight_decay(four, kind):
-    for rank in four:
+    for rank in four:      # the reference writes the update out in another order: float32 rounding apart
         run = rank[f"qadam_{kind}"]
-        torch.testing.assert_close(run["qadam"]["losses"], run["reference"]["losses"])
+        as_float32 = lambda losses: torch.tensor(losses, dtype=torch.float32)  # noqa: E731
+        torch.testing.assert_close(as_float32(run["qadam"]["losses"]), as_float32(run["reference"]["losses"]))
         torch.testing.assert_close(run["qadam"]["weights"], run["reference"]["weights"])
 
 

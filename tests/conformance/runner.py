@@ -188,7 +188,8 @@ def _patched(case, steps, before, lr_factor, inject=None, what="patched run"):
 
 
 # Reasons for "off" that are no refusal: the policy says off, auto is watching or racing right now.
-TRANSIENT = ("policy sets fusion.mode: off", "auto: unpatched while watching", "auto: racing")
+TRANSIENT = ("policy sets fusion.mode: off", "auto: unpatched while watching", "auto: unpatched for its first step",
+             "auto: racing")
 
 
 def _record_report(case, report, record_property):

@@ -317,8 +317,8 @@ def test_state_dict_round_trip_between_fused_and_plain(direction):
 
 @pytest.mark.parametrize("order", ["enable_first", "fuse_first", "runtime_stepped_first"])
 def test_under_enable_each_step_is_fused_once(ap, order):
-    """With autopatch.enable() active too, fuse_step() fuses (once: the runtime's hooks come off
-    that optimizer), step() stays ordinary, and the report says who fuses it."""
+    """With autopatch.enable() active too, fuse_step() fuses (once: the runtime stops fusing that
+    optimizer, and still hears of its steps), step() stays ordinary, and the report says who fuses it."""
     def adam(model):
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
@@ -341,7 +341,7 @@ def test_under_enable_each_step_is_fused_once(ap, order):
         ap.enable(mode="multi_layer", chunk_bytes=4096)
     train(model, as_fused(opt), data[done:6], sched)
     (entry,) = ap.report()["optimizers"]
-    assert entry["reason"] == LEFT_TO_FUSE_STEP and entry["steps"] == done
+    assert entry["reason"] == LEFT_TO_FUSE_STEP and entry["steps"] == 6 and entry["mode"] == "off"
     ap.disable()
     train(model, as_fused(opt), data[6:], sched)
     assert_same(weights(model), weights(ref_model))

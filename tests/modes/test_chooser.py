@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from autopatch import policy
-from autopatch.modes.chooser import MEASURING, NEW, SETTLED, STOPPED, WATCHING, ModeChooser
+from autopatch.modes.chooser import FIRST_STEP, MEASURING, NEW, SETTLED, STOPPED, WATCHING, ModeChooser
 from autopatch.modes.eligibility import Eligibility
 from autopatch.modes.watch import ACCUMULATION, CLOSURE
 from autopatch.runtime.comm_view import CommView
@@ -74,21 +74,34 @@ def test_what_the_watch_sees_rules_a_named_mode_out():
     assert ACCUMULATION in c.eligibility.blocked["backward"]
 
 
-def test_auto_without_watched_candidates_measures_from_the_first_step():
+def test_auto_leaves_the_first_step_unpatched_and_sets_nothing_up():
+    """An optimizer that lives one step (a probe, a test) costs nothing: no watch, no race."""
+    c, opt = chooser(observe_steps=1, auto_candidates=["multi_layer", "forward"])
+    d = c.step_begins(opt, None, 1, "off")
+    assert d.mode == "off" and d.reason == FIRST_STEP and c.phase == NEW and c.observation is None
+
+
+def test_auto_without_watched_candidates_measures_from_the_second_step():
     c, opt = chooser(auto_candidates=["multi_layer"])
-    assert c.step_begins(opt, None, 1, "off").mode in ("off", "multi_layer") and c.phase == MEASURING
+    assert c.step_begins(opt, None, 1, "off").reason == FIRST_STEP
+    step(opt)
+    c.step_ends(opt, 1, "off")
+    assert c.step_begins(opt, None, 2, "off").mode in ("off", "multi_layer") and c.phase == MEASURING
 
 
 def test_auto_watches_unpatched_then_measures_then_settles():
     c, opt = chooser(observe_steps=1, measure_steps=16, auto_candidates=["multi_layer", "forward"])
-    assert c.step_begins(opt, None, 1, "off").mode == "off" and c.phase == WATCHING
+    assert c.step_begins(opt, None, 1, "off").reason == FIRST_STEP
     step(opt)
-    assert c.step_ends(opt, 1, "off") is None     # the watched window is the iteration after a step
-    c.step_begins(opt, None, 2, "off")
+    c.step_ends(opt, 1, "off")
+    assert c.step_begins(opt, None, 2, "off").mode == "off" and c.phase == WATCHING
     step(opt)
-    d = c.step_ends(opt, 2, "off")
+    assert c.step_ends(opt, 2, "off") is None     # the watched window is the iteration after a step
+    c.step_begins(opt, None, 3, "off")
+    step(opt)
+    d = c.step_ends(opt, 3, "off")
     assert c.phase == MEASURING and d.mode in ("off", "multi_layer", "forward")
-    current, n = d.mode, 2
+    current, n = d.mode, 3
     while c.phase == MEASURING:
         n += 1
         c.step_begins(opt, None, n, current)

@@ -8,9 +8,11 @@ unpatched weights), so a read that applied nothing would fail.
 """
 
 import contextlib
+import gc
 import copy
 import io
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -296,3 +298,42 @@ def test_disable_restores_every_read_patch(ap):
     assert replaced == list(before)
     ap.disable()
     assert all(vars(owner)[n] is original for (owner, n), original in before.items())
+
+
+def train_and_drop_the_optimizer(ap, patched):
+    """A training function that returns the model and lets its optimizer go (as most scripts'
+    ``train(model)`` does): in mode forward the last step's update is still pending then."""
+    model = Net()
+    if patched:
+        ap.enable(mode="forward", chunk_bytes=2048, fusion={"observe_steps": 1})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, batches(STEPS))
+    if patched:
+        assert stepped(ap.report())["mode"] == "forward"
+    return model, weakref.ref(opt)
+
+
+@pytest.mark.parametrize("then", ["forward", "disable"])
+def test_an_optimizer_dropped_with_updates_pending_still_makes_them(ap, then):
+    x = torch.randn(4, 16)
+    ref_model, _ = train_and_drop_the_optimizer(ap, False)
+    model, opt = train_and_drop_the_optimizer(ap, True)
+    gc.collect()
+    assert opt() is not None, "dropped before its pending update ran"
+    if then == "forward":
+        with torch.no_grad():
+            assert torch.equal(model(x), ref_model(x))
+    ap.disable()
+    assert_same(held(ref_model), held(model))
+    gc.collect()
+    assert opt() is None, "kept after its updates ran"
+
+
+def test_a_model_dropped_with_its_optimizer_and_updates_pending_is_freed(ap):
+    model, opt = train_and_drop_the_optimizer(ap, True)
+    weight = weakref.ref(model.fc1.weight)
+    del model
+    gc.collect()
+    assert opt() is None and weight() is None
+    (entry,) = [o for o in ap.report()["optimizers"] if o["steps"]]
+    assert entry["freed"]

@@ -460,7 +460,7 @@ def test_auto_measures_again_when_the_run_changes(change):
                             fusion={"observe_steps": 2, "measure_steps": 16})
     assert_all_same(reference(data, loop), got)
     first, again = entry["auto"]["measurements"]
-    assert first["step"] == 3 and again["step"] == 21      # the watch ends at step 3
+    assert first["step"] == 4 and again["step"] == 21      # unpatched first step, watch 2-3
     assert again["why"] == ("an optimizer state was loaded at step 20" if change == "load_state_dict"
                             else "a param group was added at step 21")
     assert again["steps"] <= 16 and entry["mode"] == again["chosen"]

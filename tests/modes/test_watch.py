@@ -3,6 +3,7 @@ global hook, no tensor of another class, no optimizer kept alive, whatever the n
 and it still sees what would make backward or forward fusion wrong."""
 
 import gc
+import json
 import weakref
 
 import pytest
@@ -11,6 +12,7 @@ import torch.optim.optimizer as optimizer_module
 from torch import nn
 
 from autopatch.modes.watch import COMPILED, GRAD_READ, PARAM_READ_EARLY
+from spawn import run_python
 
 MODE_STACK = torch._C._len_torch_function_stack
 
@@ -154,32 +156,36 @@ def test_state_the_class_creates_up_front_does_not_stop_the_probe(ap):
     assert ap.session().optimizer(opt).mode == "multi_layer", ap.session().optimizer(opt).reason
 
 
-def test_the_watch_still_sees_grad_reads_and_early_param_reads(ap):
-    ap.enable(fusion={"observe_steps": 2, "measure_steps": 16})
-    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    held = list(model.parameters())        # an EMA over a list taken once
-    ema = [p.detach().clone() for p in held]
-    for _ in range(4):
-        model(torch.randn(3, 4)).sum().backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        for e, p in zip(ema, held):
-            e.mul_(0.9).add_(p.detach(), alpha=0.1)
-    blocked = ap.session().optimizer(opt).blocked
-    assert GRAD_READ in blocked["backward"] and PARAM_READ_EARLY in blocked["forward"], blocked
+WATCH_IN_A_FRESH_PROCESS = """
+import json, sys, torch, autopatch
+from torch import nn
+compiled = sys.argv[1] == "compiled"
+autopatch.enable(fusion={"observe_steps": 2, "measure_steps": 16})
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+run = torch.compile(model, backend="eager") if compiled else model
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+held = list(model.parameters())          # an EMA over a list taken once
+ema = [p.detach().clone() for p in held]
+for _ in range(4):
+    run(torch.randn(3, 4)).sum().backward()
+    nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    for e, p in zip(ema, held):
+        e.mul_(0.9).add_(p.detach(), alpha=0.1)
+print(json.dumps({"blocked": autopatch.session().optimizer(opt).blocked,
+                  "stack": torch._C._len_torch_function_stack()}))
+"""
 
 
-def test_a_compiled_model_rules_both_watched_modes_out_and_runs(ap):
-    ap.enable(fusion={"observe_steps": 2, "measure_steps": 16})
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    compiled = torch.compile(model, backend="eager")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(4):
-        compiled(torch.randn(3, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    blocked = ap.session().optimizer(opt).blocked
-    assert COMPILED in blocked["backward"] and COMPILED in blocked["forward"], blocked
-    assert MODE_STACK() == 0
+@pytest.mark.parametrize("program", ["eager", "compiled"])
+def test_the_watch_still_sees_grad_reads_and_early_param_reads(tmp_path, program):
+    """Clipping between backward and step() rules backward out, an EMA over a list of the weights
+    taken once rules forward out; a compiled program rules forward out and is still watched for
+    what happens between backward and step(). In a fresh interpreter: whether anything was
+    compiled in the process matters."""
+    res = run_python(["-c", WATCH_IN_A_FRESH_PROCESS, program])
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.splitlines()[-1])
+    assert GRAD_READ in out["blocked"]["backward"] and out["stack"] == 0, out
+    assert (COMPILED if program == "compiled" else PARAM_READ_EARLY) in out["blocked"]["forward"], out

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from spawn import ROOT, clean_env, run_python
-from test_autotune import FAST_YAML
+from autotune_job import FAST_YAML
 
 pytest.importorskip("bayes_opt")
 pytest.importorskip("tensorboard")

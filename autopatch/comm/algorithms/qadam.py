@@ -40,12 +40,19 @@ Two ways in:
 import math
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ...policy import check_algorithm_setting
 from ...torch_internals import group_timeout, unhooked_step
 from ..waiting import Waiter
 from .base import Algorithm, whole_number
 from .compressed_average import DEFAULT_BUCKET_ELEMENTS, CompressedAverage
+
+
+# The step count a parameter's second moment froze at, kept in the optimizer's own state: it is
+# checkpointed with the rest, and survives the parameter objects a fused step puts in its place
+# (autopatch.contrib.fuse_optimizer's chunks are new objects after every ordinary step).
+FROZEN_STEP = "qadam_frozen_step"
 
 
 def unsupported(optimizer):
@@ -66,8 +73,9 @@ class FrozenVarianceAdam:
 
     def __init__(self, average):
         self.average = average
-        self.frozen = {}           # parameter -> its step count when its second moment froze
-        self.denoms = {}           # parameter -> (the v it was computed from, denominator, v == 0 or None)
+        # parameter -> (the v it was computed from, denominator, v == 0 or None); weakly keyed:
+        # fused steps bring new chunk objects, and dead ones must not be kept alive
+        self.denoms = WeakIdKeyDictionary()
         self._directions = None    # (ids of the parameters, flat buffers, parameter -> its view)
 
     def __call__(self, optimizer):
@@ -106,17 +114,17 @@ class FrozenVarianceAdam:
         state = optimizer.state[p]
         if not state:
             _start_state(state, p, group)
-        self.frozen.setdefault(p, int(state["step"]))
+        state.setdefault(FROZEN_STEP, int(state["step"]))
         m = state["exp_avg"]
         if p.grad is not None:
             g = -p.grad if group["maximize"] else p.grad
             if group["weight_decay"] and not _decoupled(optimizer, group):
                 g = g.add(p, alpha=group["weight_decay"])
             m.lerp_(g, 1 - float(group["betas"][0]))
-        if not self.frozen[p]:
+        if not state[FROZEN_STEP]:
             return p, group, None, direction.zero_()
         v = state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"]
-        denom, blank = self._denominator(p, group, v)
+        denom, blank = self._denominator(p, group, v, state[FROZEN_STEP])
         torch.div(m, denom, out=direction)
         if blank is not None:
             direction.masked_fill_(blank, 0)
@@ -124,13 +132,13 @@ class FrozenVarianceAdam:
         direction.clamp_(-bound, bound)
         return p, group, denom, direction
 
-    def _denominator(self, p, group, v):
+    def _denominator(self, p, group, v, frozen):
         """sqrt(v / (1 - beta2^T)) + eps, T the step v froze at, and where v is zero (no gradient
         in warm-up, so no step size), if anywhere. v no longer changes: computed once, and again
         only when the state holds another v (a loaded checkpoint). One parameter-sized buffer."""
         cached = self.denoms.get(p)
         if cached is None or cached[0] is not v:
-            denom = (v.sqrt() / math.sqrt(1 - float(group["betas"][1]) ** self.frozen[p])).add_(group["eps"])
+            denom = (v.sqrt() / math.sqrt(1 - float(group["betas"][1]) ** frozen)).add_(group["eps"])
             blank = v == 0
             cached = self.denoms[p] = (v, denom, blank if blank.any() else None)
         return cached[1], cached[2]
