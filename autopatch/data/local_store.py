@@ -24,6 +24,7 @@ environment per directory, shared by every store on it, and closes them all just
 """
 
 import contextlib
+import errno
 import fcntl
 import os
 import random
@@ -172,7 +173,7 @@ class LocalStore:
 
     def _damaged(self, error):
         """A store that reports damage in use is started afresh (once per file: another process
-        may have done it already), and the error goes on to be counted."""
+        may have done it already)."""
         known = _open_envs.pop(self.path, None)
         if known is not None:
             known[0].close()
@@ -183,10 +184,11 @@ class LocalStore:
                     same = False
                 if same:
                     _start_afresh(self.path, f"lmdb reported {type(error).__name__}: {error}")
-        return error
 
     def _run(self, work, write=False):
-        for _ in range(2):
+        """``work(txn)`` in a transaction; a damaged store is started afresh and the work done
+        there (a second damage is raised, for the guard to count)."""
+        for attempt in range(3):
             env = self._open()
             try:
                 with env.begin(write=write) as txn:
@@ -194,7 +196,9 @@ class LocalStore:
             except lmdb.MapResizedError:   # another process (another rank) grew the map: adopt its size
                 env.set_mapsize(0)
             except DAMAGE as e:
-                raise self._damaged(e)
+                self._damaged(e)
+                if attempt:
+                    raise
         with self._open().begin(write=write) as txn:
             return work(txn)
 
@@ -221,7 +225,16 @@ class LocalStore:
         def put(txn):
             for k, v in items:
                 txn.put(k, v)
-        self._run(put, write=True)
+        try:
+            self._run(put, write=True)
+        except (lmdb.MapFullError, *DAMAGE):
+            raise
+        except lmdb.Error as e:   # lmdb says EIO when the disk is full: say what it is
+            free = shutil.disk_usage(self.path).free
+            if free < sum(len(v) for _, v in items) + (1 << 20):
+                raise OSError(errno.ENOSPC, f"the disk holding {self.path} is full ({free} bytes free; "
+                                            f"lmdb: {e})") from e
+            raise
 
     def delete(self, keys):
         def drop(txn):

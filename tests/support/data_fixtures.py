@@ -105,14 +105,20 @@ class Patched(Features):
         return super().__getitem__(i)
 
 
-def run_job(out, *options, cache=None, timeout=120, **env):
+def run_job(out, *options, cache=None, timeout=120, inside=None, **env):
     """Run ``data_job.py`` (see there) unpatched, or zero-code with ``FUSEDOPT_DATA_CACHE=cache``
-    and the local store in ``env``'s policy; its saved batches and report."""
-    from spawn import SUPPORT, clean_env, run_python
+    and the local store in ``env``'s policy; its saved batches and report. ``inside``: a shell
+    line that ends by running the command it is given as ``"$@"`` (a mount namespace...)."""
+    import subprocess
+    import sys
+    from spawn import SUPPORT, clean_env, patience
     extra = {"OMP_NUM_THREADS": 1, **env}
     if cache is not None:
         extra.update(FUSEDOPT_ENABLE=1, FUSEDOPT_DATA_CACHE=cache)
-    done = run_python([SUPPORT / "data_job.py", out, *options], env=clean_env(**extra), timeout=timeout)
+    command = [sys.executable, str(SUPPORT / "data_job.py"), str(out), *map(str, options)]
+    if inside is not None:
+        command = ["unshare", "-m", "--propagation", "private", "sh", "-c", inside, "job", *command]
+    done = subprocess.run(command, env=clean_env(**extra), capture_output=True, text=True, timeout=patience(timeout))
     assert done.returncode == 0, done.stdout + done.stderr
     return torch.load(out, weights_only=False)
 

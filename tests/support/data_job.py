@@ -22,6 +22,7 @@ ap.add_argument("out")
 ap.add_argument("--dataset", default="Features")
 ap.add_argument("--n", type=int, default=48)
 ap.add_argument("--version", type=int, default=0)
+ap.add_argument("--width", type=int, default=6)
 ap.add_argument("--base", default="", help="comma-separated indices kept at version 0 (Patched)")
 ap.add_argument("--workers", type=int, default=2)
 ap.add_argument("--epochs", type=int, default=2)
@@ -42,7 +43,7 @@ if args.own_handler:
         sys.exit(3)
     signal.signal(signal.SIGTERM, handler)
 
-kw = {"load_seconds": args.load_seconds}
+kw = {"load_seconds": args.load_seconds, "width": args.width}
 if args.dataset == "Patched":
     kw["base"] = [int(i) for i in args.base.split(",") if i]
 if args.version:
