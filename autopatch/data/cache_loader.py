@@ -10,24 +10,23 @@ have been loaded the same way. An entry that fails its MAC (damaged, cut, moved 
 written by someone without the key) is rejected and counted, never decoded.
 
 Misses are computed by the caller's function and written back in batches of
-``writer_buffer_size`` with one ``mset``; a batch still waiting is written when the process exits
-(DataLoader workers included). Store errors are misses and dropped writes (``store_guard``).
+``writer_buffer_size`` with one ``mset``; a smaller batch goes within a second, on an all-hit read,
+before the store's keys are counted and at exit (``write_buffer``), so other processes see every
+entry. Store errors are misses and dropped writes (``store_guard``).
 """
 
-import os
 import warnings
-import weakref
 
 import torch
 
 from .backends import backend_name, is_redis, open_store
 from .entry_seal import DAMAGED, STALE, Seal
 from .job_answers import first_answer
-from .process_exit import at_exit
 from .sample_codec import Unstorable, decode, encode
 from .shared_counters import SharedCounters
 from .store_guard import StoreGuard
 from .user_key import derived, fingerprint
+from .write_buffer import WriteBuffer
 
 __all__ = ["CacheLoader"]
 
@@ -60,18 +59,7 @@ class CacheLoader:
             warnings.warn(f"autopatch: the {backend_name(backend)} cache is unavailable, samples are "
                           f"computed: {self.unavailable}", RuntimeWarning, stacklevel=2)
         self.guard = StoreGuard(self.store, self.counters)
-        self._pid, self._pending = None, {}
-
-    def __getstate__(self):
-        return dict(self.__dict__, _pid=None, _pending={})
-
-    def _buffer(self):
-        """This process's writes waiting for the next mset."""
-        if self._pid != os.getpid():
-            self._pid, self._pending = os.getpid(), {}
-            ref = weakref.ref(self)
-            at_exit(lambda: ref() is not None and ref().flush())
-        return self._pending
+        self.writes = WriteBuffer(self.writer_buffer_size, self._send)
 
     def key(self, key):
         return f"{self.dataset_name}_{key}"
@@ -92,7 +80,9 @@ class CacheLoader:
         stored = self._read(names)
         values = [self._decode(self._open(n, stamp, v)) for n, v in zip(names, stored)]
         missing = [i for i, v in enumerate(values) if v is _MISS]
-        if missing:
+        if not missing:   # the store has caught up with this process: what it still holds goes now
+            self.writes.flush()
+        else:
             for i, v in zip(missing, load_many([keys[i] for i in missing])):
                 values[i] = v
                 self._write(names[i], stamp, v)
@@ -102,11 +92,11 @@ class CacheLoader:
         return values
 
     def _read(self, names):
-        pending = self._buffer()
-        stored = [pending.get(n) for n in names]
-        absent = [i for i, v in enumerate(stored) if v is None]
-        for i, v in zip(absent, self.guard.mget([names[i] for i in absent]) if absent else []):
-            stored[i] = v
+        with self.writes.lock:
+            stored = [self.writes.get(n) for n in names]
+            absent = [i for i, v in enumerate(stored) if v is None]
+            for i, v in zip(absent, self.guard.mget([names[i] for i in absent]) if absent else []):
+                stored[i] = v
         return stored
 
     def _open(self, name, stamp, raw):
@@ -137,19 +127,17 @@ class CacheLoader:
         except Unstorable as e:
             self.counters.error(e)
             return
-        pending = self._buffer()
-        pending[name] = data
-        if len(pending) >= self.writer_buffer_size:
-            self.flush()
+        self.writes.add(name, data)
+
+    def _send(self, items):
+        """One batch of writes to the store (a failed write is dropped, never raised)."""
+        if self.guard.mset(items):
+            self.counters.add(bytes_written=sum(map(len, items.values())), writes=len(items))
+        self.counters.flush()
 
     def flush(self):
-        """Write the waiting batch now (a failed write is dropped, never raised)."""
-        pending = self._buffer()
-        if pending:
-            size = sum(map(len, pending.values()))
-            if self.guard.mset(pending):
-                self.counters.add(bytes_written=size, writes=len(pending))
-            pending.clear()
+        """Write the waiting batch now."""
+        self.writes.flush()
         self.counters.flush()
 
     def put_encoded(self, encoded, threads=None):
@@ -158,16 +146,18 @@ class CacheLoader:
         if self.seal is None:
             return False
         stamp = self.stamp_here(threads)
-        return self.guard.mset({self.key(k): self.seal.close(self.key(k).encode(), stamp, v)
-                                for k, v in encoded.items()})
+        entries = {self.key(k): self.seal.close(self.key(k).encode(), stamp, v) for k, v in encoded.items()}
+        with self.writes.lock:
+            return self.guard.mset(entries)
 
     def peek_encoded(self, keys, threads=None):
         """The stored payloads of ``keys`` (bytes; None where not cached) for entries loaded with
         ``threads`` torch threads, decoding and counting nothing."""
         names = [self.key(k) for k in keys]
         stamp = self.stamp_here(threads)
-        return [None if p is _MISS else bytes(p)
-                for p in (self._open(n, stamp, v) for n, v in zip(names, self.guard.mget(names)))]
+        with self.writes.lock:
+            stored = self.guard.mget(names)
+        return [None if p is _MISS else bytes(p) for p in (self._open(n, stamp, v) for n, v in zip(names, stored))]
 
     def peek(self, keys, threads=None):
         """The cached values of ``keys`` (None where not cached), counting nothing."""
@@ -175,9 +165,10 @@ class CacheLoader:
 
     def forget(self, keys=None):
         """Delete the entries of ``keys``, or every entry of this dataset_name. True when done."""
-        if keys is not None:
-            return self.guard.call("delete", [self.key(k) for k in keys])
-        return self.guard.call("delete_prefix", self.key(""))
+        with self.writes.lock:
+            if keys is not None:
+                return self.guard.call("delete", [self.key(k) for k in keys])
+            return self.guard.call("delete_prefix", self.key(""))
 
     @property
     def last_error(self):
@@ -185,8 +176,13 @@ class CacheLoader:
         return self.counters.totals().get("last_error")
 
     def num_keys(self):
-        """The number of entries in the store (every dataset's), 0 without a store."""
-        return 0 if self.store is None else self.store.num_keys()
+        """The number of entries in the store (every dataset's, this process's waiting writes
+        included), 0 without a store."""
+        if self.store is None:
+            return 0
+        self.flush()
+        with self.writes.lock:
+            return self.store.num_keys()
 
     def describe(self):
         """Counts of every process so far (workers included) and the store's state."""
