@@ -21,7 +21,7 @@ import pytest
 
 from autopatch.data.private_files import NotPrivate, private_dir
 from autopatch.data.redis_server import RedisServer
-from spawn import SUPPORT, clean_env, patience, run_python
+from spawn import SUPPORT, clean_env, patience, run_python, spawn_two_ranks
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"),
@@ -173,3 +173,36 @@ def test_a_server_listens_on_the_address_it_is_given_only():
     deadline = time.monotonic() + 10
     while server.alive() and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def test_the_password_is_in_no_argument_of_the_server():
+    """redis-server retitles itself once it runs, so ``/proc/PID/cmdline`` hides its arguments
+    after start-up only: until then every local user can read them."""
+    server = RedisServer(16 << 20)
+    try:
+        argv = " ".join(map(str, server.process.args))
+        assert server.password not in argv and "requirepass" not in argv, argv
+    finally:
+        server.stop()
+
+
+def _machine_address():
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 1))   # the default route's interface (no packet is sent)
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def test_a_node_server_listens_on_the_address_other_nodes_reach_only(tmp_path_factory):
+    """Two ranks as two nodes: each node's server answers on the address the others reach it by
+    and nowhere else (not on every interface, not on loopback)."""
+    address = _machine_address()
+    if address.startswith("127."):
+        pytest.skip("this machine has no address but loopback")
+    results, outputs, codes = spawn_two_ranks("data_worker.py", "two_nodes", tmp_path_factory, timeout=120)
+    assert codes == [0, 0] and len(results) == 2, "\n".join(outputs)
+    for r in results.values():
+        assert r["urls"][0] != r["urls"][1] and all(f"@{address}:" in u for u in r["urls"]), r
+        assert r["answers"][address] is True and str(r["answers"]["127.0.0.1"]).startswith("refused"), r

@@ -6,7 +6,11 @@ Saves each epoch's indices, the Redis servers' URLs, what the store holds, and t
 
 ``agreement``: what each rank would decide differently on its own: sample lengths drawn from a
 generator seeded by the rank (scores differ), and a dataset that loads slowly on rank 0 only
-(whether the cache pays differs). Saves each epoch's indices and the report."""
+(whether the cache pays differs). Saves each epoch's indices and the report.
+
+``two_nodes``: each rank a node of its own (``LOCAL_WORLD_SIZE=1``) whose other nodes reach it by
+this machine's first non-loopback address (``MASTER_ADDR``): each rank starts its node's Redis
+server and saves whether it answers on that address and on 127.0.0.1."""
 
 import datetime
 import sys
@@ -79,12 +83,37 @@ def agreement():
     return {"epochs": epochs, "report": report, "cached_type": type(cached.dataset).__name__}
 
 
+def machine_address():
+    """The address of the interface holding the default route (no packet is sent)."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 1))
+        return s.getsockname()[0]
+
+
+def two_nodes():
+    import redis
+    from autopatch.data.node_servers import started_server
+    urls = node_server_urls(capacity=16 << 20)
+    server = started_server()
+    answers = {}
+    for host in (machine_address(), "127.0.0.1"):
+        try:
+            answers[host] = redis.Redis(host=host, port=server.port, password=server.password,
+                                        socket_connect_timeout=2).ping()
+        except redis.ConnectionError as e:
+            answers[host] = f"refused: {e}"
+    return {"urls": urls, "port": server.port, "answers": answers}
+
+
 if __name__ == "__main__":
     import os
+    if SUITE == "two_nodes":
+        os.environ.update(RANK=str(RANK), LOCAL_WORLD_SIZE="1", MASTER_ADDR=machine_address())
     CACHE_DIR = os.path.join(os.path.dirname(OUT), "cache")
     dist.init_process_group("gloo", init_method=f"file://{INIT_FILE}", rank=RANK, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
-    result = {"zero_code": zero_code, "agreement": agreement}[SUITE]()
+    result = {"zero_code": zero_code, "agreement": agreement, "two_nodes": two_nodes}[SUITE]()
     dist.barrier()
     torch.save(result, OUT)
     dist.destroy_process_group()
