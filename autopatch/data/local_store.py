@@ -35,6 +35,7 @@ import lmdb
 
 from .private_files import private_dir, private_file
 from .user_key import cache_root
+from .write_buffer import forget_held, hold_all, release_all
 
 __all__ = ["LocalStore", "default_cache_dir"]
 
@@ -113,11 +114,12 @@ def _environment(path, capacity):
 
 
 def _close_before_fork():
+    hold_all()   # no write of a buffer's timer thread is under way in an environment closed here
     while _open_envs:
         _open_envs.popitem()[1][0].close()
 
 
-os.register_at_fork(before=_close_before_fork)
+os.register_at_fork(before=_close_before_fork, after_in_parent=release_all, after_in_child=forget_held)
 
 
 def default_cache_dir():

@@ -4,7 +4,8 @@ A batch of ``size`` goes at once. A smaller one goes when its oldest write is ``
 old (a timer thread: a process that stops writing, such as a persistent DataLoader worker whose
 last batch was partial, does not keep its writes from other processes), when the owner asks (an
 all-hit read, a count of the store's keys, close) and when the process exits. Each process
-(DataLoader workers are forked or spawned) has its own batch, lock and timer.
+(DataLoader workers are forked or spawned) has its own batch, lock and timer; a fork waits for a
+timer's write to end (``hold_all``: ``local_store`` closes its lmdb environments just before it).
 """
 
 import os
@@ -14,9 +15,11 @@ import weakref
 
 from .process_exit import at_exit
 
-__all__ = ["WriteBuffer", "MAX_AGE"]
+__all__ = ["WriteBuffer", "MAX_AGE", "hold_all", "release_all", "forget_held"]
 
 MAX_AGE = 1.0
+_live = weakref.WeakSet()   # this process's buffers, held across a fork
+_held = []
 
 
 class WriteBuffer:
@@ -37,6 +40,7 @@ class WriteBuffer:
             self._pid = os.getpid()
             self._items, self._since, self._timer = {}, None, None
             self._lock = threading.RLock()
+            _live.add(self)
             ref = weakref.ref(self)
             at_exit(lambda: ref() is not None and ref().flush())
         return self._lock
@@ -88,3 +92,30 @@ class WriteBuffer:
                     self._arm(wait)
                 else:
                     self._flush()
+
+    def hold(self):
+        """Take this process's lock (before a fork); True when taken."""
+        if self._pid != os.getpid():
+            return False
+        self._lock.acquire()
+        return True
+
+    def release(self):
+        self._lock.release()
+
+
+def hold_all():
+    """Before a fork: wait for any timer's write to end and keep new ones from starting, so the
+    store can be closed under no one (``local_store`` closes its lmdb environments)."""
+    _held[:] = [b for b in list(_live) if b.hold()]
+
+
+def release_all():
+    """After a fork, in the parent."""
+    while _held:
+        _held.pop().release()
+
+
+def forget_held():
+    """After a fork, in the child: its buffers start afresh with locks of their own."""
+    _held.clear()

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from autopatch.data import CachedDataset
 from data_fixtures import Features
-from spawn import patience, run_python
+from spawn import SUPPORT, patience, run_python
 
 COUNT = """
 import sys
@@ -62,3 +62,9 @@ def test_a_process_that_stops_writing_sends_its_last_writes_within_a_second(tmp_
     while len(cached.cache_loader.writes) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert seen_elsewhere(tmp_path / "cache") == 102
+
+
+def test_workers_forked_while_the_timer_writes_never_hang(tmp_path):
+    done = run_python([SUPPORT / "fork_while_writing.py", tmp_path / "cache"], timeout=150)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "400"], done.stdout
