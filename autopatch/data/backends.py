@@ -1,13 +1,17 @@
 """Store backends by name: ``local`` (the node-local lmdb default), ``redis`` (a server per node,
 Bagua's layout), or Redis servers given as ``redis://host:port`` URLs, comma-separated."""
 
-__all__ = ["open_store", "BACKENDS", "backend_name"]
+__all__ = ["open_store", "BACKENDS", "backend_name", "is_redis"]
 
 BACKENDS = ("local", "redis")
 
 
 def _is_url(backend):
     return isinstance(backend, str) and backend.startswith(("redis://", "rediss://", "unix://"))
+
+
+def is_redis(backend):
+    return backend == "redis" or _is_url(backend)
 
 
 def backend_name(backend):

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from .rng_states import seeded
-from .side_copy import side_copy
+from .side_copy import looking_at
 
 __all__ = ["LoadBalancingDistributedSampler", "score_samples"]
 
@@ -34,11 +34,11 @@ STEPS_PER_BLOCK = 50
 
 
 def score_samples(dataset, complexity_fn, seed=0):
-    """``complexity_fn`` of every sample, in index order, loaded under fixed seeds (every global
-    generator restored afterwards), so that every rank computes the same scores; from a shallow
-    copy (``side_copy``)."""
-    source = side_copy(dataset)
-    with seeded(seed):
+    """``complexity_fn`` of every sample, in index order, loaded under fixed seeds from a shallow
+    copy (every global generator, and the dataset's own, restored afterwards: ``side_copy``).
+    Ranks may still score differently (a dataset seeded per rank): the zero-code path agrees on
+    one set of scores (``agreed_scores``)."""
+    with seeded(seed), looking_at(dataset) as source:
         return [float(complexity_fn(source[i])) for i in range(len(source))]
 
 

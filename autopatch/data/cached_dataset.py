@@ -26,7 +26,7 @@ class CachedDataset(Dataset):
                  signature=None, **kwargs):
         """``kwargs`` go to the store (see ``CacheLoader``). ``signature``: the dataset's, when the
         caller has it already (``signature.dataset_signature``); computed otherwise, which loads
-        four samples."""
+        ``signature.SIGNATURE_SAMPLES`` samples."""
         self.dataset = dataset
         self.signature = signature if signature is not None else dataset_signature(dataset)
         self.cache_loader = CacheLoader(backend, dataset_name, writer_buffer_size,

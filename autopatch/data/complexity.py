@@ -1,12 +1,28 @@
-"""What a sample costs, for the load-balanced sampler: ``len`` (its sequence length) or any
-function of a sample named as ``module:function``."""
+"""What a sample costs, for the load-balanced sampler: ``len`` (its sequence length), a function of
+the program's own named as ``module:function``, or a callable passed from Python.
 
-import importlib
+A policy is data, and may come from someone else, so a name in it is never imported nor called as
+it stands: ``os:system`` or ``builtins:eval`` would run on every sample. A named function is only
+called when its module is one the program has already imported itself (in ``sys.modules`` when
+the sampler is built), is not part of Python's standard library, and defines the function (a
+plain Python function whose ``__module__`` is that module, not a builtin or a name it imported
+from elsewhere). Anything else is ``UntrustedComplexity`` with the reason. The explicit way to use
+any other function is to pass it from Python: ``autopatch.enable(load_balance=fn)``.
+"""
+
+import inspect
 import operator
+import sys
 
 from ..policy import complexity_spec
 
-__all__ = ["sequence_length", "complexity_function"]
+__all__ = ["sequence_length", "complexity_function", "UntrustedComplexity"]
+
+_STANDARD = set(getattr(sys, "stdlib_module_names", ())) | set(sys.builtin_module_names) | {"builtins", "__future__"}
+
+
+class UntrustedComplexity(ValueError):
+    """A complexity named by a string that autopatch will not call."""
 
 
 def sequence_length(sample):
@@ -33,11 +49,29 @@ def _sized(value):
 
 
 def complexity_function(spec):
-    """``"len"`` -> ``sequence_length``; ``"module:function"`` -> that function; a callable -> itself."""
+    """``"len"`` -> ``sequence_length``; a callable -> itself; ``"module:function"`` -> that
+    function when it may be called (see the module's docstring), else UntrustedComplexity."""
     complexity_spec(spec)
     if callable(spec):
         return spec
     if spec == "len":
         return sequence_length
-    module, _, attr = str(spec).partition(":")
-    return operator.attrgetter(attr.strip())(importlib.import_module(module.strip()))
+    module_name, _, attr = (part.strip() for part in str(spec).partition(":"))
+    refused = f"load_balance {spec!r} is not called:"
+    module = sys.modules.get(module_name)
+    if module is None:
+        raise UntrustedComplexity(f"{refused} the program has not imported {module_name!r} (autopatch imports "
+                                  "nothing a policy names; import it before building the DataLoader, or pass "
+                                  "the function itself: autopatch.enable(load_balance=fn))")
+    if module_name.partition(".")[0] in _STANDARD:
+        raise UntrustedComplexity(f"{refused} {module_name!r} is part of Python's standard library, not the "
+                                  "program's own code; use len, or a function of the program's")
+    try:
+        fn = operator.attrgetter(attr)(module)
+    except AttributeError:
+        raise UntrustedComplexity(f"{refused} {module_name!r} has no {attr!r}") from None
+    if not inspect.isfunction(fn) or fn.__module__ != module.__name__:
+        where = getattr(fn, "__module__", None)
+        raise UntrustedComplexity(f"{refused} {attr!r} is not a Python function defined in {module_name!r}"
+                                  + (f" (it comes from {where!r})" if where and where != module_name else ""))
+    return fn

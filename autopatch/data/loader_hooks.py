@@ -1,46 +1,47 @@
 """What happens when a DataLoader is built, or iterated, while the data patches are installed.
 
-``DataLoader(dataset, ...)``: a map-style dataset is probed once (``cacheability.py``) and either served
-through a ``CachedDataset`` behind a transparent proxy or left as it is, with the reason. Its
-cache name is the settings' name (or the class name) and the dataset's signature, so two
+``DataLoader(dataset, ...)``: a map-style dataset is probed once (``cacheability.py``) and either
+served through a ``CachedDataset`` behind a transparent proxy or left as it is, with the reason.
+Its cache name is the settings' name (or the class name) and the dataset's signature, so two
 datasets of one class keep separate entries and a changed dataset starts afresh. The cache must
-pay: the probe's samples are stored and read back, and a dataset that loads less than twice as
-slowly as the cache reads (the probe's samples read together, as a batch is) stays uncached. A DistributedSampler (the class itself; a subclass may
-order on purpose) is replaced by a ``FollowingSampler`` at the loader's batch size, every
-dataset scored once.
+pay, one decision for the whole job (``cache_payoff.py``). A DistributedSampler (the class itself;
+a subclass may order on purpose) is replaced by a ``FollowingSampler`` at the loader's batch
+size, every dataset scored once and the scores agreed across ranks (``agreed_scores.py``); a
+complexity named by a string is only called when ``complexity.py`` allows it.
 
-``iter(loader)``: one of the probe's samples is loaded again and compared; a dataset whose
-samples or length changed during the run is served uncached from then on (workers forked for
+``iter(loader)``: a few samples, different each epoch (``signature.recheck_indices``), are loaded
+again as the loader loads them and compared with their entries; a dataset whose samples or
+length changed is served uncached from then on, and its entries are dropped (workers forked for
 the epoch see it; ``persistent_workers`` keep what they were started with).
 
-Nothing here raises into the user's program: a failure leaves the DataLoader as the user built
-it, and is reported.
+Nothing here raises into the user's program (``FUSEDOPT_STRICT=1`` aside): a failure leaves the
+DataLoader as the user built it, and is reported.
 """
 
 import inspect
-import statistics
 import time
 import warnings
 import weakref
 
 from torch.utils.data import DistributedSampler
 
+from .. import env
+from .agreed_scores import NoAgreement, agreed_scores
 from .backends import backend_name
 from .balanced_sampler import score_samples
 from .cache_loader import CacheLoader
+from .cache_payoff import cache_pays
 from .cached_dataset import CachedDataset
-from .complexity import complexity_function
-from .following_sampler import FollowingSampler
 from .cacheability import probe
-from .signature import encoded_samples
+from .complexity import UntrustedComplexity, complexity_function
+from .following_sampler import FollowingSampler
+from .load_settings import loader_threads
+from .shared_counters import COUNTS
+from .signature import encoded_samples, recheck_indices
 from .step_balance import distributed_sampler_indices, spread_summary, step_spreads
 from .transparent_dataset import TransparentCachedDataset, bypass
 
-__all__ = ["LoaderHooks", "READ_ADVANTAGE"]
-
-READ_ADVANTAGE = 2.0   # cache only when a read is at least this many times faster than a load
-READ_ROUNDS = 5        # reads of the probe's samples, each all at once; the median counts
-COUNTS = ("hits", "misses", "bytes_read", "bytes_written", "errors")
+__all__ = ["LoaderHooks"]
 
 
 class _PerObject:
@@ -68,12 +69,13 @@ class _DatasetFate:
     It holds neither the dataset nor its proxy (a DataLoader holds the proxy, the proxy the
     dataset), so a dataset the program drops is freed; its counters stay for the report."""
 
-    def __init__(self, label, reason="", recipe=None, verdict=None, length=0):
+    def __init__(self, label, reason="", recipe=None, verdict=None, length=0, checker=None):
         self.label, self.reason, self.recipe, self.verdict, self.length = label, reason, recipe, verdict, length
-        self.loaders = []      # the CacheLoader of every proxy made, for the counts
+        self.checker = checker   # the CacheLoader that measured the store, and rechecks entries
+        self.loaders = [checker] if checker is not None else []   # every CacheLoader, for the counts
         self.rechecks = 0
-        self.bypassed = None   # why the cache was turned off for it during the run
-        self._proxy = None     # weak reference to the live proxy
+        self.bypassed = None     # why the cache was turned off for it during the run
+        self._proxy = None       # weak reference to the live proxy
 
     def proxy(self, dataset):
         live = self.live_proxy()
@@ -97,14 +99,14 @@ class _DatasetFate:
 class LoaderHooks:
     def __init__(self, settings):
         self.settings = settings
-        self.complexity_fn = complexity_function(settings.balance) if settings.balance is not None else None
         self._datasets = _PerObject()   # the user's dataset -> _DatasetFate
         self._fates = []                # every _DatasetFate, for the report
         self._samplers = _PerObject()   # the user's sampler -> weak reference to its FollowingSampler
-        self._replacements = []         # weak references to every FollowingSampler, for the report
-        self._scores = _PerObject()     # dataset -> (complexities, seconds spent scoring)
+        self._replacements = []         # (weak reference to a FollowingSampler, scoring seconds, note)
+        self._scores = _PerObject()     # dataset -> (complexities, seconds spent scoring, note)
         self._left_alone = []           # samplers not replaced, and why
         self._failures = []
+        self._warned = set()
         self.loaders = 0                # DataLoaders built while installed
 
     # -- DataLoader(...) --------------------------------------------------------------------
@@ -118,11 +120,13 @@ class LoaderHooks:
         try:
             if self.settings.backend is not None and "dataset" in arguments:
                 arguments["dataset"] = self._serve(arguments["dataset"])
-            if self.complexity_fn is not None and arguments.get("sampler") is not None:
+            if self.settings.balance is not None and arguments.get("sampler") is not None:
                 arguments["sampler"] = self._balanced(arguments["sampler"], arguments["dataset"],
                                                       arguments.get("batch_size", 1))
         except Exception as e:
             self._failures.append(f"{type(e).__name__}: {e}")
+            if env.flag(env.STRICT):
+                raise
             warnings.warn(f"autopatch: DataLoader left as built, the data patches failed: {e}",
                           RuntimeWarning, stacklevel=3)
             return wrapped(*args, **kwargs)
@@ -148,25 +152,15 @@ class LoaderHooks:
             return _DatasetFate(label, verdict.reason)
         recipe = dict(backend=self.settings.backend, signature=verdict.signature, **self._store_options(),
                       dataset_name=f"{self.settings.name or cls.__qualname__}-{verdict.signature.hex()[:16]}")
-        fate = _DatasetFate(label, recipe=recipe, verdict=verdict, length=len(dataset))
-        loader = CacheLoader(**{k: v for k, v in recipe.items() if k != "signature"}, stamp=verdict.signature)
-        if loader.unavailable:
-            return _DatasetFate(label, f"the cache is unavailable: {loader.unavailable}")
-        loader.prime(verdict.samples)
-        keys, times = list(verdict.samples), []
-        for _ in range(READ_ROUNDS):   # batched, as DataLoader reads through __getitems__
-            start = time.perf_counter()
-            found = loader.peek(keys)
-            times.append((time.perf_counter() - start) / len(keys))
-            if any(v is None for v in found):
-                error = loader.last_error or "a sample written was read back as missing"
-                return _DatasetFate(label, f"the cache does not keep samples: {error}")
-        read = statistics.median(times)
-        if verdict.load_seconds < READ_ADVANTAGE * read:
-            return _DatasetFate(label, f"loading a sample takes {1e6 * verdict.load_seconds:.0f} µs, reading "
-                                       f"it from the cache {1e6 * read:.0f} µs: the cache would not pay")
-        fate.loaders.append(loader)
-        return fate
+        checker = CacheLoader(**{k: v for k, v in recipe.items() if k != "signature"}, stamp=verdict.signature)
+        if checker.unavailable:
+            checker.close()
+            return _DatasetFate(label, f"the cache is unavailable: {checker.unavailable}")
+        pays, why = cache_pays(checker, verdict)
+        if not pays:
+            checker.close()
+            return _DatasetFate(label, why)
+        return _DatasetFate(label, why, recipe=recipe, verdict=verdict, length=len(dataset), checker=checker)
 
     def _store_options(self):
         s = self.settings
@@ -182,20 +176,30 @@ class LoaderHooks:
         fate = self._datasets.get(dataset.__wrapped__) if isinstance(dataset, TransparentCachedDataset) else None
         if fate is not None and fate.recipe is not None and fate.bypassed is None:
             try:
-                self._recheck(fate, dataset.__wrapped__)
+                self._recheck(fate, dataset.__wrapped__, loader_threads(instance.num_workers))
             except Exception as e:
-                fate.bypass(f"re-checking a sample failed: {type(e).__name__}: {e}")
+                fate.bypass(f"re-checking samples failed: {type(e).__name__}: {e}")
         return wrapped(*args, **kwargs)
 
     @staticmethod
-    def _recheck(fate, dataset):
-        indices = sorted(fate.verdict.samples)
-        index = indices[fate.rechecks % len(indices)]
-        fate.rechecks += 1
+    def _recheck(fate, dataset, threads):
+        """Load this epoch's recheck samples as the loader would and compare them with their
+        entries; a difference drops the dataset's entries and serves it uncached."""
         if len(dataset) != fate.length:
+            fate.checker.forget()
             fate.bypass("the dataset's length changed during the run; served uncached from then on")
-        elif encoded_samples(dataset, [index])[index] != fate.verdict.samples[index]:
-            fate.bypass(f"sample {index} changed during the run; served uncached from then on")
+            return
+        indices = recheck_indices(fate.length, fate.verdict.signature, fate.rechecks)
+        fate.rechecks += 1
+        for loader in fate.loaders:   # writes of this process still waiting are served as well
+            loader.flush()
+        fresh = encoded_samples(dataset, indices, threads=threads)
+        stored = fate.checker.peek_encoded(indices, threads)
+        changed = [i for i, s in zip(indices, stored) if s is not None and s != fresh[i]]
+        if changed:
+            fate.checker.forget()
+            fate.bypass(f"sample {changed[0]} changed since it was cached; the dataset's entries were dropped "
+                        "and it is served uncached from then on")
 
     # -- samplers ---------------------------------------------------------------------------
     def _balanced(self, sampler, dataset, batch_size):
@@ -209,15 +213,34 @@ class LoaderHooks:
             return self._leave(sampler, label, "a subclass of DistributedSampler may order samples on purpose")
         if len(sampler.dataset) != len(dataset):
             return self._leave(sampler, label, "its dataset is not the loader's")
+        try:
+            complexity_fn = complexity_function(self.settings.balance)
+        except UntrustedComplexity as e:
+            return self._refuse(sampler, label, str(e))
         scores = self._scores.get(dataset)
         if scores is None:
             start = time.perf_counter()
-            scores = (score_samples(dataset, self.complexity_fn), time.perf_counter() - start)
+            mine = score_samples(dataset, complexity_fn)
+            try:
+                agreed, note = agreed_scores(dataset, mine)
+            except NoAgreement as e:
+                return self._refuse(sampler, label, str(e))
+            scores = (agreed, time.perf_counter() - start, note)
             self._scores.put(dataset, scores)
         replaced = FollowingSampler(sampler, dataset, scores[0], batch_size=batch_size)
         self._samplers.put(sampler, weakref.ref(replaced))
-        self._replacements.append((weakref.ref(replaced), scores[1]))
+        self._replacements.append((weakref.ref(replaced), scores[1], scores[2]))
         return replaced
+
+    def _refuse(self, sampler, label, reason):
+        """Leave the user's sampler, and say why once on stderr (FUSEDOPT_STRICT=1: raise)."""
+        if env.flag(env.STRICT):
+            raise RuntimeError(f"the DistributedSampler cannot be balanced: {reason}")
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"autopatch: the DistributedSampler is kept, not balanced: {reason}", RuntimeWarning,
+                          stacklevel=4)
+        return self._leave(sampler, label, reason)
 
     def _leave(self, sampler, label, reason):
         if {"sampler": label, "reason": reason} not in self._left_alone:
@@ -226,13 +249,14 @@ class LoaderHooks:
 
     # -- uninstall --------------------------------------------------------------------------
     def hand_back(self):
-        """Loaders built while installed get their own dataset and sampler back."""
+        """Loaders built while installed get their own dataset and sampler back; the cache's
+        counters and connections are let go."""
         for fate in self._fates:
-            for loader in fate.loaders:
-                loader.flush()
             if fate.recipe is not None:
                 fate.bypass("autopatch was disabled")
-        for ref, _ in self._replacements:
+            for loader in fate.loaders:
+                loader.close()
+        for ref, _, _ in self._replacements:
             if ref() is not None:
                 ref().bypass()
 
@@ -253,14 +277,18 @@ class LoaderHooks:
                 uncached.append({"dataset": fate.label, "reason": fate.reason})
                 continue
             item = {"dataset": fate.label, "backend": backend_name(self.settings.backend),
-                    "name": fate.recipe["dataset_name"], **dict.fromkeys(COUNTS, 0)}
+                    "name": fate.recipe["dataset_name"], "decided": fate.reason, **dict.fromkeys(COUNTS, 0)}
             for loader in fate.loaders:
                 figures = loader.describe()
                 for k in COUNTS:
                     item[k] += figures[k]
                     total[k] += figures[k]
-                if figures.get("last_error"):
-                    item["last_error"] = figures["last_error"]
+                for k in ("last_error", "repaired"):
+                    if figures.get(k):
+                        item[k] = figures[k]
+            if item["errors"]:
+                item["degraded"] = (f"{item['errors']} store errors or rejected entries; each sample concerned was "
+                                    "loaded from the dataset instead, so training is unchanged")
             if fate.bypassed:
                 item["bypassed"] = fate.bypassed
             cached.append(item)
@@ -268,10 +296,10 @@ class LoaderHooks:
                 "datasets": cached, "uncached": uncached}
 
     def _describe_balance(self):
-        if self.complexity_fn is None:
+        if self.settings.balance is None:
             return {"enabled": False}
         samplers = []
-        for ref, scoring_seconds in self._replacements:
+        for ref, scoring_seconds, note in self._replacements:
             s = ref()
             if s is None:
                 continue
@@ -281,7 +309,7 @@ class LoaderHooks:
                                                               s.shuffle, s.drop_last), s.complexities, batch)
             samplers.append({"ranks": s.num_replicas, "rank": s.rank, "batch_size": s.batch_size,
                              "epoch": s.epoch, "samples_scored": len(s.complexities),
-                             "scoring_seconds": round(scoring_seconds, 3),
+                             "scoring_seconds": round(scoring_seconds, 3), "scores": note,
                              "complexity_max_over_mean": {"balanced": spread_summary(ours),
                                                           "distributed_sampler": spread_summary(theirs)}})
         balance = self.settings.balance

@@ -2,11 +2,14 @@
 the process group's store.
 
 The lowest rank of each node starts a ``RedisServer`` (in a run without a process group, the
-process itself) and publishes its URL under ``autopatch/data/redis/node{n}``; every rank waits,
-for at most ``PUBLISH_SECONDS``, for every node's URL. Which ranks share a node is the job's
+process itself) and publishes its address under ``autopatch/data/redis/node{n}``; every rank waits,
+for at most ``PUBLISH_SECONDS``, for every node's address. Which ranks share a node is the job's
 topology (autopatch/topology.py), the one answer every room gets, whatever the number of ranks
-on each node. On one node the server listens on 127.0.0.1 only;
-across nodes on every interface, behind its random password.
+on each node. On one node the server listens on 127.0.0.1 only; across nodes on the address the
+other nodes reach it by (the interface that routes to MASTER_ADDR), never on every interface.
+
+The password is never sent: every rank derives it from the user's key (``user_key``), so the
+store, which other local users can read, holds addresses only.
 """
 
 import datetime
@@ -15,6 +18,7 @@ import socket
 
 from ..topology import topology
 from .redis_server import RedisServer
+from .user_key import derived
 
 __all__ = ["node_server_urls", "node_rank", "default_capacity_per_node", "started_server"]
 
@@ -54,27 +58,38 @@ def _reachable_address():
     return socket.gethostbyname(socket.gethostname())
 
 
+def _password():
+    return derived("redis password").hex()
+
+
+def _with_password(address):
+    return address.replace("redis://", f"redis://:{_password()}@", 1)
+
+
 def node_server_urls(capacity=None):
-    """Every node's server URL in node order, starting this node's server if this process is its
-    node's lowest rank. Called again, returns the same answer."""
+    """Every node's server URL (with the password) in node order, starting this node's server if
+    this process is its node's lowest rank. Called again, returns the same answer."""
     if "urls" in _started:
         return _started["urls"]
     world, node, nodes, starts_server = _layout()
     capacity = capacity or default_capacity_per_node()
     if world == 1:
-        server = RedisServer(capacity)
+        server = RedisServer(capacity, password=_password())
         _started.update(urls=[server.url], server=server)
         return _started["urls"]
     from ..torch_internals import default_store
     store = default_store()
     server = None
     if starts_server:
-        server = (RedisServer(capacity) if nodes == 1 else
-                  RedisServer(capacity, bind="0.0.0.0", advertise=_reachable_address()))
-        store.set(KEY.format(node), server.url)
+        if nodes == 1:
+            server = RedisServer(capacity, password=_password())
+        else:
+            address = _reachable_address()
+            server = RedisServer(capacity, bind=address, advertise=address, password=_password())
+        store.set(KEY.format(node), server.address)
     keys = [KEY.format(n) for n in range(nodes)]
     store.wait(keys, datetime.timedelta(seconds=PUBLISH_SECONDS))
-    _started.update(urls=[store.get(k).decode() for k in keys], server=server)
+    _started.update(urls=[_with_password(store.get(k).decode()) for k in keys], server=server)
     return _started["urls"]
 
 

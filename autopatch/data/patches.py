@@ -1,16 +1,22 @@
 """The data side without code changes, installed into an autopatch ledger.
 
 ``DataPatches(cache=..., balance=...)`` takes plain settings (a policy's ``data`` section, or
-``FUSEDOPT_DATA_CACHE`` / ``FUSEDOPT_DATA_BALANCE``), checks them at once, and imports nothing
-heavy: ``install`` patches DataLoader when ``torch.utils.data`` is imported (at once if it is
-already), through ``loader_hooks.LoaderHooks``. Uninstalling the ledger restores DataLoader and
-hands loaders built meanwhile back their own dataset and sampler.
+``FUSEDOPT_DATA_CACHE`` / ``FUSEDOPT_DATA_BALANCE``), checks their form at once, and imports
+nothing heavy: ``install`` patches DataLoader when ``torch.utils.data`` is imported (at once if it
+is already), through ``loader_hooks.LoaderHooks``. That may happen inside the program's
+``import torch``, which must never fail for autopatch's sake: a failure there is a warning, the
+data patches stay off, and the report says why (``FUSEDOPT_STRICT=1`` raises it instead).
+Nothing a setting names is imported or called here (``complexity.py`` decides, when a sampler is
+built). Uninstalling the ledger restores DataLoader and hands loaders built meanwhile back their
+own dataset and sampler, and lets go of the cache's counters and connections.
 """
 
 import sys
+import warnings
 
 import wrapt
 
+from .. import env
 from ..policy import cache_backend, complexity_spec
 
 __all__ = ["DataPatches"]
@@ -39,6 +45,7 @@ class DataPatches:
         self.name, self.capacity, self.path, self.balance = name, capacity, path, balance
         self.hooks = None      # the LoaderHooks of the current installation (kept for describe)
         self.active = False
+        self.off = None        # why the patches could not be installed, if they could not
         self._patched = False
 
     @property
@@ -64,12 +71,19 @@ class DataPatches:
     def _patch(self, ledger, module):
         if not self.active or self._patched:   # post-import hooks cannot be unregistered
             return
-        from .loader_hooks import LoaderHooks
-        self._patched = True
-        self.hooks = LoaderHooks(self)
-        ledger.wrap(module.DataLoader, "__init__", self.hooks.on_init)
-        if self.backend is not None:
-            ledger.wrap(module.DataLoader, "__iter__", self.hooks.on_iter)
+        try:
+            from .loader_hooks import LoaderHooks
+            hooks = LoaderHooks(self)
+            ledger.wrap(module.DataLoader, "__init__", hooks.on_init)
+            if self.backend is not None:
+                ledger.wrap(module.DataLoader, "__iter__", hooks.on_iter)
+        except Exception as e:
+            self.off = f"the data patches could not be installed: {type(e).__name__}: {e}"
+            if env.flag(env.STRICT):
+                raise
+            warnings.warn(f"autopatch: {self.off}; DataLoader is left as it is", RuntimeWarning, stacklevel=2)
+            return
+        self.hooks, self._patched = hooks, True
 
     def deactivate(self):
         self.active = False
@@ -82,5 +96,8 @@ class DataPatches:
         uncached and why; how evenly the balanced samplers spread the work."""
         if self.hooks is not None:
             return self.hooks.describe()
-        return {"cache": {"enabled": self.backend is not None, "datasets": [], "uncached": []},
-                "balance": {"enabled": self.balance is not None, "samplers": []}}
+        out = {"cache": {"enabled": self.backend is not None, "datasets": [], "uncached": []},
+               "balance": {"enabled": self.balance is not None, "samplers": []}}
+        if self.off:
+            out["off"] = self.off
+        return out

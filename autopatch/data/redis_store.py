@@ -59,6 +59,20 @@ class RedisServerStore:
     def mset(self, mapping):
         self.client.mset(mapping)
 
+    def delete(self, keys):
+        if keys:
+            self.client.delete(*keys)
+
+    def delete_prefix(self, prefix):
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
+        batch = []
+        for key in self.client.scan_iter(match=pattern, count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                self.client.delete(*batch)
+                batch = []
+        self.delete(batch)
+
     def num_keys(self):
         return self.client.dbsize()
 

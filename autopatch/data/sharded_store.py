@@ -43,6 +43,14 @@ class ShardedStore:
         for store, part in self._by_store(mapping):
             store.mset({k: mapping[k] for k in part})
 
+    def delete(self, keys):
+        for store, part in self._by_store(keys):
+            store.delete(part)
+
+    def delete_prefix(self, prefix):
+        for s in self.stores:
+            s.delete_prefix(prefix)
+
     def num_keys(self):
         return sum(s.num_keys() for s in self.stores)
 

@@ -1,39 +1,48 @@
-"""What a dataset is, in 16 bytes: its class, its length and a few of its samples.
+"""What a dataset is, in 16 bytes: its class, its length and a spread of its samples; and which
+samples each epoch checks again.
 
 Entries in the cache carry the signature of the dataset that wrote them, so a dataset whose
 class, length or checked samples changed reads none of an older version's entries. Samples are
-loaded under fixed seeds (every global generator restored afterwards), so a dataset that
-augments at random still has one signature, the same on every rank and in every run.
+loaded as a DataLoader worker would (``load_settings``: fixed seeds, one torch thread), so a
+dataset has one signature on every rank and in every run.
+
+A signature cannot load every sample, so a change elsewhere (between runs, or by the program
+between epochs) is found by the recheck: each epoch, ``RECHECK_SAMPLES`` other samples are loaded
+again and compared with their entries. The sets follow a fixed pseudo-random cycle through the
+whole dataset (``recheck_indices``), the same on every rank, so every sample is checked once
+every ``len / RECHECK_SAMPLES`` epochs.
 """
 
 import hashlib
+import math
 
-from .rng_states import seeded
+from .load_settings import loaded_as
 from .sample_codec import encode
-from .side_copy import side_copy
 
-__all__ = ["spread_indices", "encoded_samples", "dataset_signature", "SIGNATURE_SEED"]
+__all__ = ["spread_indices", "encoded_samples", "dataset_signature", "recheck_indices",
+           "SIGNATURE_SEED", "SIGNATURE_SAMPLES", "RECHECK_SAMPLES"]
 
 SIGNATURE_SEED = 0
+SIGNATURE_SAMPLES = 16   # samples in the signature (benchmarks/RESULTS.md: what they cost)
+RECHECK_SAMPLES = 8      # samples checked again at each epoch
 
 
-def spread_indices(length, count=4):
+def spread_indices(length, count=SIGNATURE_SAMPLES):
     """``count`` indices spread over the dataset, first and last included."""
     if length <= 0:
         return []
     return sorted({round(i * (length - 1) / max(1, count - 1)) for i in range(min(count, length))})
 
 
-def encoded_samples(dataset, indices, seed=SIGNATURE_SEED):
-    """{index: encoded sample}, loaded under ``seed`` from a shallow copy (``side_copy``)."""
-    source = side_copy(dataset)
-    with seeded(seed):
+def encoded_samples(dataset, indices, seed=SIGNATURE_SEED, threads=1):
+    """{index: encoded sample}, loaded under ``seed`` with ``threads`` torch threads."""
+    with loaded_as(dataset, seed, threads) as source:
         return {i: encode(source[i]) for i in indices}
 
 
 def dataset_signature(dataset, samples=None):
     """The signature of ``dataset`` from ``samples`` ({index: encoded sample loaded under
-    SIGNATURE_SEED}); without them, four spread samples are loaded for it."""
+    SIGNATURE_SEED with one thread}); without them, the spread samples are loaded for it."""
     cls = type(dataset)
     length = len(dataset)
     if samples is None:
@@ -44,3 +53,18 @@ def dataset_signature(dataset, samples=None):
         h.update(f"\0{i}:{len(samples[i])}\0".encode())
         h.update(samples[i])
     return h.digest()
+
+
+def recheck_indices(length, signature, epoch, count=RECHECK_SAMPLES):
+    """The indices to check again at ``epoch``: the next ``count`` of a full cycle through
+    ``range(length)`` (``i -> (a * i + b) % length`` with ``a`` prime to ``length``), which the
+    signature picks."""
+    if length <= 0:
+        return []
+    seed = int.from_bytes(signature[:8] or b"\0", "little")
+    a = 1 + seed % max(1, length - 1)
+    while math.gcd(a, length) != 1:
+        a += 1
+    b = (seed >> 32) % length
+    start = epoch * count
+    return sorted({(a * k + b) % length for k in range(start, start + min(count, length))})

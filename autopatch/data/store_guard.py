@@ -57,9 +57,13 @@ class StoreGuard:
 
     def mset(self, mapping):
         """True when written; False when dropped."""
+        return self.call("mset", mapping)
+
+    def call(self, method, *args):
+        """``store.method(*args)``: True when done; False when it failed or the store is resting."""
         if self._usable():
             try:
-                self.store.mset(mapping)
+                getattr(self.store, method)(*args)
             except Exception as e:
                 self._failed(e)
             else:

@@ -16,7 +16,8 @@ from autopatch.data.patches import DataPatches
 from autopatch.policy import cache_backend
 from autopatch.patching import Ledger
 from spawn import clean_env, run_python, spawn_two_ranks, write_script
-from data_fixtures import Features, NumpyAugmented, PythonAugmented, Stream, TorchAugmented
+from data_fixtures import (Features, NumpyAugmented, PythonAugmented, Stream, TorchAugmented, policy_for, run_job,
+                           same_batches)
 
 
 @pytest.fixture
@@ -97,7 +98,7 @@ def test_a_sample_that_changes_during_the_run_turns_the_cache_off(data_patches):
     dataset.version = 7   # the program changes its data between epochs
     fresh = [x for x, _ in DataLoader(Features(16, version=7), batch_size=4)]
     assert all(torch.equal(a, b) for (a, _), b in zip(loader, fresh))
-    assert "changed during the run" in patches.describe()["cache"]["datasets"][0]["bypassed"]
+    assert "changed since it was cached" in patches.describe()["cache"]["datasets"][0]["bypassed"]
 
 
 def test_install_and_uninstall_restore_dataloader_exactly(tmp_path):
@@ -196,8 +197,8 @@ def test_a_second_run_reads_the_cache_and_a_changed_dataset_does_not(tmp_path, i
         runs.append(dict(json.loads(done.stdout.strip().splitlines()[-1]), **cache["datasets"][0]))
     cold, warm, changed = runs
     assert all(r["equal"] for r in runs)
-    assert (cold["misses"], warm["misses"], warm["hits"]) == (36, 0, 40)   # 4 samples came from the probe
-    assert changed["misses"] == 36 and changed["hits"] == 4
+    assert (cold["misses"], warm["misses"], warm["hits"]) == (40, 0, 40)   # nothing the probe loaded is stored
+    assert changed["misses"] == 40 and changed["hits"] == 0
 
 
 def test_two_ranks_share_redis_and_train_on_balanced_samplers(tmp_path_factory):
@@ -205,6 +206,8 @@ def test_two_ranks_share_redis_and_train_on_balanced_samplers(tmp_path_factory):
     assert codes == [0, 0] and len(results) == 2, "\n".join(outputs)
     r0, r1 = results[0], results[1]
     assert r0["urls"] == r1["urls"] and len(r0["urls"]) == 1   # one node: rank 0's server
+    password = r0["urls"][0].split("@")[0].rpartition(":")[2]
+    assert len(password) >= 32 and "@" not in r0["published"] and password not in r0["published"]   # never sent
     assert r0["sampler"] == "FollowingSampler"
     for epoch in (0, 1):
         both = r0["epochs"][epoch] + r1["epochs"][epoch]
@@ -216,3 +219,75 @@ def test_two_ranks_share_redis_and_train_on_balanced_samplers(tmp_path_factory):
     import redis
     with pytest.raises(redis.ConnectionError):   # rank 0 stopped its server at exit
         redis.Redis.from_url(r0["urls"][0], socket_connect_timeout=1).ping()
+
+
+def test_cached_samples_are_what_the_loader_loads_where_it_runs(tmp_path, installed):
+    """Workers run one torch thread, the main process several, and a float32 sum rounds with the
+    number of threads: cold and warm epochs through 2 workers, and a loader without workers on
+    the same cache, each equal to its unpatched run bit for bit."""
+    policy = policy_for(tmp_path, tmp_path / "cache")
+    common = ["--dataset", "ThreadSensitive", "--n", "32", "--threads", "4"]
+    plain = run_job(tmp_path / "plain.pt", *common)
+    plain_main = run_job(tmp_path / "plain0.pt", *common, "--workers", "0")
+    assert not same_batches(plain, plain_main)   # the dataset really depends on where it loads
+    cold = run_job(tmp_path / "cold.pt", *common, cache="1", FUSEDOPT_POLICY=policy)
+    warm = run_job(tmp_path / "warm.pt", *common, cache="1", FUSEDOPT_POLICY=policy)
+    main = run_job(tmp_path / "main.pt", *common, "--workers", "0", cache="1", FUSEDOPT_POLICY=policy)
+    assert same_batches(cold, plain) and same_batches(warm, plain) and same_batches(main, plain_main)
+    figures = [r["report"]["cache"]["datasets"][0] for r in (cold, warm, main)]
+    assert [(f["hits"], f["misses"]) for f in figures] == [(32, 32), (64, 0), (32, 32)], figures
+
+
+def test_a_dataset_with_its_own_generator_draws_as_unpatched(tmp_path, installed):
+    """The probe loads from a copy that shares the dataset's generator: it must put it back."""
+    plain = run_job(tmp_path / "plain.pt", "--dataset", "OwnGenerator", "--workers", "0")
+    patched = run_job(tmp_path / "patched.pt", "--dataset", "OwnGenerator", "--workers", "0", cache="1",
+                      FUSEDOPT_POLICY=policy_for(tmp_path, tmp_path / "cache"))
+    assert same_batches(plain, patched)
+    assert "differs between loads" in patched["report"]["cache"]["uncached"][0]["reason"]
+
+
+def test_a_change_outside_the_signature_is_found_and_never_served(tmp_path, installed):
+    """Version 1 and 2 share the samples the signature loads and differ everywhere else: the
+    second run's first epoch rechecks other samples, finds them changed, drops the entries and
+    serves the dataset uncached."""
+    from autopatch.data.signature import spread_indices
+    base = ",".join(map(str, spread_indices(48)))
+    policy = policy_for(tmp_path, tmp_path / "cache")
+    first = run_job(tmp_path / "v1.pt", "--dataset", "Patched", "--base", base, "--version", "1", cache="1",
+                    FUSEDOPT_POLICY=policy)
+    assert first["report"]["cache"]["datasets"][0]["misses"] == 48
+    plain = run_job(tmp_path / "plain.pt", "--dataset", "Patched", "--base", base, "--version", "2")
+    second = run_job(tmp_path / "v2.pt", "--dataset", "Patched", "--base", base, "--version", "2", cache="1",
+                     FUSEDOPT_POLICY=policy)
+    assert same_batches(plain, second)
+    figures = second["report"]["cache"]["datasets"][0]
+    assert figures["name"] == first["report"]["cache"]["datasets"][0]["name"]   # one signature
+    assert "changed since it was cached" in figures["bypassed"] and figures["hits"] == 0, figures
+
+
+def test_every_sample_is_rechecked_within_a_cycle_of_epochs():
+    from autopatch.data.signature import RECHECK_SAMPLES, recheck_indices
+    for n in (1, 7, 48, 1000):
+        epochs = -(-n // RECHECK_SAMPLES)
+        seen = [i for e in range(epochs) for i in recheck_indices(n, b"\x07" * 16, e)]
+        assert sorted(set(seen)) == list(range(n)) and len(seen) == n
+        assert recheck_indices(n, b"\x07" * 16, 0) != recheck_indices(n, b"\x07" * 16, 1) or n <= RECHECK_SAMPLES
+
+
+def test_ranks_that_would_decide_differently_share_one_decision(tmp_path_factory):
+    """Lengths from a generator seeded by the rank: without one set of scores, ranks deal
+    differently and samples are skipped and repeated. A dataset slow on rank 0 only: without one
+    decision, rank 0 caches it and rank 1 does not."""
+    results, outputs, codes = spawn_two_ranks("data_worker.py", "agreement", tmp_path_factory, timeout=150)
+    assert codes == [0, 0] and len(results) == 2, "\n".join(outputs)
+    r0, r1 = results[0], results[1]
+    for epoch in (0, 1):
+        both = r0["epochs"][epoch] + r1["epochs"][epoch]
+        assert sorted(both) == list(range(40)), both   # every sample once
+    notes = [r["report"]["balance"]["samplers"][0]["scores"] for r in (r0, r1)]
+    assert sum("every rank uses" in n for n in notes) == 1 and sum("scored first" in n for n in notes) == 1, notes
+    caches = [r["report"]["cache"] for r in (r0, r1)]
+    assert r0["cached_type"] == r1["cached_type"]
+    decided = [c["datasets"][0]["decided"] if c["datasets"] else c["uncached"][0]["reason"] for c in caches]
+    assert sum("the job's decision" in d for d in decided) == 1, decided

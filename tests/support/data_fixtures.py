@@ -67,3 +67,77 @@ def redis_server():
     server = RedisServer(capacity=64 << 20)
     yield server
     server.stop()
+
+
+class ThreadSensitive(Features):
+    """A deterministic dataset whose samples depend on torch's thread count, as real ones do: a
+    float32 sum over 128k values is split, and so rounded, by the number of threads."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        g = torch.Generator().manual_seed(i)
+        return torch.cat([x, torch.randn(1 << 17, generator=g).sum().reshape(1)]), y
+
+
+class OwnGenerator(Features):
+    """Random augmentation from a generator the dataset owns: the probe must not advance it."""
+
+    def __init__(self, n=48, **kw):
+        super().__init__(n, **kw)
+        self.generator = torch.Generator().manual_seed(123)
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x + 0.1 * torch.rand(self.width, generator=self.generator), y
+
+
+class Patched(Features):
+    """Version ``version`` everywhere but at the indices of ``base``, which keep version 0: two
+    versions that share the samples a signature looks at and differ everywhere else."""
+
+    def __init__(self, n=48, base=(), **kw):
+        super().__init__(n, **kw)
+        self.base = set(base)
+
+    def __getitem__(self, i):
+        if i in self.base:
+            return Features(self.n, self.width, 0, self.load_seconds)[i]
+        return super().__getitem__(i)
+
+
+def run_job(out, *options, cache=None, timeout=120, inside=None, **env):
+    """Run ``data_job.py`` (see there) unpatched, or zero-code with ``FUSEDOPT_DATA_CACHE=cache``
+    and the local store in ``env``'s policy; its saved batches and report. ``inside``: a shell
+    line that ends by running the command it is given as ``"$@"`` (a mount namespace...)."""
+    import subprocess
+    import sys
+    from spawn import SUPPORT, clean_env, patience
+    extra = {"OMP_NUM_THREADS": 1, **env}
+    if cache is not None:
+        extra.update(FUSEDOPT_ENABLE=1, FUSEDOPT_DATA_CACHE=cache)
+    command = [sys.executable, str(SUPPORT / "data_job.py"), str(out), *map(str, options)]
+    if inside is not None:
+        command = ["unshare", "-m", "--propagation", "private", "sh", "-c", inside, "job", *command]
+    done = subprocess.run(command, env=clean_env(**extra), capture_output=True, text=True, timeout=patience(timeout))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return torch.load(out, weights_only=False)
+
+
+def same_batches(a, b):
+    """True when two runs' saved epochs hold equal batches, bit for bit."""
+    if len(a["epochs"]) != len(b["epochs"]):
+        return False
+    for ea, eb in zip(a["epochs"], b["epochs"]):
+        if len(ea) != len(eb):
+            return False
+        for (xa, ya), (xb, yb) in zip(ea, eb):
+            if not (torch.equal(xa, xb) and torch.equal(ya, yb)):
+                return False
+    return True
+
+
+def policy_for(tmp_path, cache_dir, name="cache.yaml"):
+    """A policy file that puts the local store in ``cache_dir``."""
+    path = tmp_path / name
+    path.write_text(f"data:\n  cache:\n    path: {cache_dir}\n")
+    return path
