@@ -386,12 +386,13 @@ def test_disable_restores_the_ddp_class(ap):
 
 def test_backward_fusion_frees_each_bucket_once_its_chunks_are_updated(equivalence):
     """Across processes too, a bucket's buffer is freed once the chunks it feeds are updated:
-    after backward no gradient memory is left, where without backward fusion all of it is (until
-    zero_grad, as in DDP). During backward the gradients alive are those of the buckets still in
+    after backward no gradient memory is left but the scratch buffer that a chunk of several
+    parameters gathers its gradients into (made once, kept between steps, at most the window),
+    where without backward fusion all of it is (until zero_grad, as in DDP). During backward the gradients alive are those of the buckets still in
     flight, which depends on the network, so the peak can only be bounded by the worst case: all
     of them in flight, plus the optimizer's temporaries over one chunk (at most the window)."""
     for rank in (0, 1):
         off, fused = equivalence[rank]["peak_off"], equivalence[rank]["peak_backward"]
         assert (off["mode"], fused["mode"]) == ("off", "backward")
-        assert fused["after_backward"] <= off["after_backward"] - 0.99 * off["grad_bytes"], (fused, off)
+        assert fused["after_backward"] <= off["after_backward"] - 0.99 * off["grad_bytes"] + BACKWARD_WINDOW, (fused, off)
         assert fused["peak"] <= off["peak"] + 3 * BACKWARD_WINDOW, (fused, off)

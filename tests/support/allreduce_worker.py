@@ -220,9 +220,6 @@ def steady_peak(mode, width=512, layers=8):
                 opt.zero_grad()
                 net(x).square().mean().backward()
                 if between is not None:
-                    # gloo's worker thread drops its reference to a finished collective's tensors
-                    # on its own time; on a loaded machine that can be after wait() returned
-                    time.sleep(0.2)
                     with between:
                         pass
                 opt.step()
