@@ -7,7 +7,6 @@ must stay within the bound documented in ``autopatch.comm.compression``.
 """
 
 import json
-import sys
 
 import pytest
 import torch
