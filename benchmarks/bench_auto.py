@@ -20,7 +20,6 @@ figures are medians of per-round ratios:
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess

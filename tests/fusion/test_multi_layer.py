@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import autopatch
-from training import (BertAdam, assert_same, assert_state_equal, batches, clone, mlp, train,
+from training import (BertAdam, assert_same, assert_state_equal, batches, mlp, train,
                       weights)
 
 # Chunk sizes in bytes. A parameter of at least a chunk gets chunks of its own that read its own
