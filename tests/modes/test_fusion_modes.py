@@ -481,8 +481,19 @@ def test_accumulation_starting_under_backward_chosen_by_auto_is_reported_not_rai
     assert all(torch.isfinite(w).all() for w in got[1])
 
 
+@pytest.fixture
+def compiles_as_its_own_program():
+    """Whether the program compiled anything is process-wide (the watch rules forward out from
+    then on): the test's compiles are taken off dynamo's count after it, so the tests that follow
+    in this process see a program that never compiled, as they would run alone."""
+    from torch._dynamo.utils import counters
+    before = counters["stats"]["unique_graphs"]
+    yield
+    counters["stats"]["unique_graphs"] = before
+
+
 @pytest.mark.parametrize("mode", ["forward", "auto"])
-def test_a_compiled_model_rules_out_forward(mode):
+def test_a_compiled_model_rules_out_forward(mode, compiles_as_its_own_program):
     """A deferred update cannot be applied inside compiled code, so a model run through
     torch.compile must not get forward fusion: the watch sees its modules traced and says so."""
     def compiled(model, opt, data, sched):
