@@ -43,7 +43,16 @@ def assert_within_bound(ref, got, steps=STEPS):
     assert relative(ref[1], got[1]) <= BOUND * steps, relative(ref[1], got[1])
 
 
-@pytest.mark.parametrize("name", sorted(TORCH_OPTIMIZERS))
+# torch 2.7's dynamo guards a float hyperparameter by value and the learning rate by type (float in
+# the probe, a tensor in the run): Adadelta and Adamax reach the recompile limit within the run and
+# step bitwise from then on, saying so (exact, but not the compiled route). 2.11 on keeps one graph.
+RECOMPILES_ON_OLD_DYNAMO = pytest.mark.xfail(
+    tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11), strict=True,
+    reason="torch < 2.11: the compiled route reaches dynamo's recompile limit and steps bitwise")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=RECOMPILES_ON_OLD_DYNAMO) if n in ("adadelta", "adamax")
+                                  else n for n in sorted(TORCH_OPTIMIZERS)])
 def test_every_optimizer_within_the_bound_of_unpatched(name):
     make = TORCH_OPTIMIZERS[name]
     ref = run(make, patched=False)
