@@ -8,6 +8,7 @@ deleted; the median counts. Ranks measure under different load, so a rank's deci
 to the job (``job_answers``) and the first one offered is every rank's; nothing waits.
 """
 
+import os
 import statistics
 import time
 
@@ -22,7 +23,10 @@ READ_ROUNDS = 15       # reads of the probe's samples, each all at once; the med
 
 def _read_seconds(loader, encoded):
     """Median seconds to read one of ``encoded``'s samples back, or (None, why not)."""
-    scratch = {f"probe{i}": data for i, data in encoded.items()}
+    # scratch keys of this process alone: ranks measuring at once on one store (a node's Redis)
+    # must not read, or delete, each other's
+    mine = f"probe-r{_dist.rank()}-p{os.getpid()}-"
+    scratch = {f"{mine}{i}": data for i, data in encoded.items()}
     if not loader.put_encoded(scratch):
         return None, loader.last_error or "writing to the store failed"
     try:
