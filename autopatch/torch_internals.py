@@ -35,7 +35,7 @@ class Internal:
     checked_on: tuple = TESTED
 
 
-def _version():
+def release():
     """torch's (major, minor), from ``torch.__version__`` ("2.13.0+cpu")."""
     parts = torch.__version__.split("+")[0].split(".")
     try:
@@ -438,7 +438,7 @@ def missing():
 
 
 def tested():
-    version = _version()
+    version = release()
     return f"{version[0]}.{version[1]}" in TESTED
 
 
@@ -456,6 +456,6 @@ def torch_report():
     """The report's ``torch`` section: this torch, whether it was tested, what it lacks."""
     out = {"version": torch.__version__, "tested": tested(), "tested_releases": list(TESTED),
            "missing_internals": missing()}
-    if _version() < FLOOR:
+    if release() < FLOOR:
         out["note"] = f"older than the declared floor {FLOOR[0]}.{FLOOR[1]}"
     return out

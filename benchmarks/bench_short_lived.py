@@ -77,17 +77,14 @@ def train_step(model, opt, x):
     opt.step()
 
 
-def one_step(make, model, x):
-    opt = make(model.parameters())
-    train_step(model, opt, x)
-    del opt
-
-
-def three_steps(make, model, x):
-    opt = make(model.parameters())
-    for _ in range(3):
-        train_step(model, opt, x)
-    del opt
+def steps(n, **build):
+    """Build, ``n`` training steps, drop."""
+    def lifecycle(make, model, x):
+        opt = make(model.parameters(), **build)
+        for _ in range(n):
+            train_step(model, opt, x)
+        del opt
+    return lifecycle
 
 
 def state_dict_round_trip(make, model, x):
@@ -100,13 +97,6 @@ def state_dict_round_trip(make, model, x):
     del opt, again, saved
 
 
-def tensor_lr(make, model, x):
-    opt = make(model.parameters(), tensor_lr=True)
-    for _ in range(2):
-        train_step(model, opt, x)
-    del opt
-
-
 def deep_copy(make, model, x):
     opt = make(model.parameters())
     train_step(model, opt, x)
@@ -115,8 +105,8 @@ def deep_copy(make, model, x):
     del opt, twin
 
 
-LIFECYCLES = {"1 step": one_step, "3 steps": three_steps, "state_dict round trip": state_dict_round_trip,
-              "tensor lr": tensor_lr, "deepcopy": deep_copy}
+LIFECYCLES = {"1 step": steps(1), "3 steps": steps(3), "state_dict round trip": state_dict_round_trip,
+              "tensor lr": steps(2, tensor_lr=True), "deepcopy": deep_copy}
 
 
 def maker(cls, kwargs):

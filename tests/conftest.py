@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 
 import autopatch
 from spawn import site_packages
@@ -25,3 +26,13 @@ def installed():
     pth = site_packages() / "autopatch.pth"
     assert pth.is_file(), f"{pth} is missing: install the package (pip install -e .) first"
     return pth
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: two threads on two shared cores make step times erratic,
+    and tests that time steps (autotune's trials, TensorBoard's windows) need steady ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

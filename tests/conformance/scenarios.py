@@ -178,6 +178,14 @@ class Ctx:
             if after_each is not None:
                 after_each(loss)
 
+    def train_side_by_side(self, *pairs):
+        """Each (net, optimizer) of ``pairs`` steps once per script step on the same batch."""
+        for _ in range(self.n):
+            for net, opt in pairs:
+                self.train(net, [opt], steps=1)
+                self.step_no -= 1
+            self.step_no += 1
+
     def dropped(self, label):
         """Right after the script dropped optimizer ``label`` (del + gc.collect())."""
         gc.collect()
@@ -237,10 +245,7 @@ def state_dict(ctx, named_first, named_second):
     ctx.out.held.extend(net2.parameters())
     opt2 = ctx.build(list(net2.named_parameters()) if named_second else net2.parameters(), "loaded")
     opt2.load_state_dict(checkpoint)
-    for _ in range(ctx.n):
-        ctx.train(net, [opt], steps=1)
-        ctx.step_no -= 1
-        ctx.train(net2, [opt2], steps=1)
+    ctx.train_side_by_side((net, opt), (net2, opt2))
     return ctx.finish({"opt": opt, "loaded": opt2}, {"net": net, "net2": net2})
 
 
@@ -256,10 +261,7 @@ def deepcopy(ctx):
     for leaf, p in zip(net2.leaves, [p for g in opt2.param_groups for p in g["params"]]):
         leaf.weight = p
     ctx.out.held.extend(net2.parameters())
-    for _ in range(ctx.n):
-        ctx.train(net, [opt], steps=1)
-        ctx.step_no -= 1
-        ctx.train(net2, [opt2], steps=1)
+    ctx.train_side_by_side((net, opt), (net2, opt2))
     return ctx.finish({"opt": opt, "copy": opt2}, {"net": net, "net2": net2})
 
 

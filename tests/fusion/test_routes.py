@@ -7,6 +7,7 @@ import torch
 import autopatch
 from autopatch import env, policy
 from autopatch.reporting.summary import summary
+from autopatch.torch_internals import release
 from test_multi_layer import CHUNK, TORCH_OPTIMIZERS, stepped, two_groups
 from training import BertAdam, assert_same, batches, mlp, train, weights
 
@@ -47,7 +48,7 @@ def assert_within_bound(ref, got, steps=STEPS):
 # the probe, a tensor in the run): Adadelta and Adamax reach the recompile limit within the run and
 # step bitwise from then on, saying so (exact, but not the compiled route). 2.11 on keeps one graph.
 RECOMPILES_ON_OLD_DYNAMO = pytest.mark.xfail(
-    tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11), strict=True,
+    release() < (2, 11), strict=True,
     reason="torch < 2.11: the compiled route reaches dynamo's recompile limit and steps bitwise")
 
 

@@ -16,12 +16,7 @@ from training import assert_same, batches, mlp, train, weights
 pytest.importorskip("tensorboard")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Job:
