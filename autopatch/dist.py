@@ -1,4 +1,4 @@
-"""torch.distributed as autopatch asks it: world size, rank, and rank 0's word on every rank.
+"""torch.distributed as autopatch asks it: world size, rank, and who decides for everyone.
 
 torch.distributed is looked up, never imported: a program that has not imported it runs in one
 process, and ``import autopatch`` stays free of torch.
@@ -52,31 +52,7 @@ def is_decider():
     return dist is None or dist.get_rank() == 0
 
 
-def agree(decision, group=None):
-    """The first rank's ``decision`` (any picklable object) on every rank of ``group`` (None:
-    the world); the other ranks pass None.
-
-    Decisions are taken at steps every rank knows in advance, so this is one more collective in
-    the same order on every rank of the group."""
-    dist = _group()
-    if dist is None or dist.get_world_size(group) < 2:
-        return decision
-    box = [decision]
-    dist.broadcast_object_list(box, src=first_rank(group), group=group)
-    return box[0]
-
-
 def first_rank(group=None):
     """The global rank of ``group``'s first rank (None: the world's, 0)."""
     dist = _initialised()
     return 0 if dist is None or group is None else dist.get_process_group_ranks(group)[0]
-
-
-def gather(value, group=None):
-    """Every rank's ``value`` (any picklable object), in rank order, on every rank of ``group``."""
-    dist = _group()
-    if dist is None or dist.get_world_size(group) < 2:
-        return [value]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out

@@ -3,7 +3,7 @@
 ``space`` (which knobs, their bounds and encoding), ``tuner`` (bayes_opt ask/tell), ``knobs``
 (reading and switching them in the run through the session), ``score`` (throughput of a trial),
 ``trials_log`` (CSV and best-config JSON), ``scheduler`` (the phases on the step clock). Rank 0
-decides for every rank (autopatch/dist.py).
+decides for every rank (autopatch/agreement.py).
 """
 
 from .scheduler import Autotuner

@@ -10,6 +10,7 @@ multi-process run.
 """
 
 from .. import dist
+from ..comm.sync_owner import why_not_bucket_search
 from ..tunables import ALLREDUCE, KNOBS, OPTIMIZERS
 
 
@@ -38,6 +39,8 @@ class RunKnobs:
                 return "single-process run"
             if self.comm is None or not self.comm.active:
                 return "no bucketed allreduce is in charge of this run"
+            if knob == "bucket_size_2p":
+                return why_not_bucket_search(self.world, self.policy.fusion.exact)
         return None
 
     def bounds(self):

@@ -1,6 +1,7 @@
 """The search on the step clock: warm-up, timed trials, then the best config frozen.
 
-Every decision is taken by rank 0 at an iteration all ranks know in advance, and broadcast, so
+Every decision is taken by rank 0 at an iteration all ranks know in advance and published through
+the job's store (agreement.py: no collective, so ranks that step unevenly never hang on it), so
 every rank switches to the same config at the same step. Switches happen between optimizer steps
 through lossless switches, so the search never changes what the model learns.
 - warm-up: at least ``warmup_steps`` iterations and ``warmup_seconds``, and until every
@@ -29,7 +30,7 @@ import math
 import sys
 import time
 
-from .. import dist
+from .. import agreement, dist
 from . import score
 from .knobs import RunKnobs, choosing_mode
 from .space import Space
@@ -95,7 +96,7 @@ class Autotuner:
                 decision = decide()
             except Exception as e:
                 decision = self._frozen(failed=f"{type(e).__name__}: {e}")
-        self._follow(dist.agree(decision), it)
+        self._follow(agreement.agree("autotune", decision), it)
         self.decision_seconds += time.perf_counter() - t0
 
     def _window(self, it):

@@ -71,10 +71,14 @@ class DDPTakeover:
     """
 
     def __init__(self, *, bucket_bytes, compression="none", hierarchical=False,
-                 timeout_seconds=None, warn=False, algorithm=None):
+                 timeout_seconds=None, warn=False, algorithm=None, keeps=None):
         """``algorithm``: an ``AlgorithmChoice`` for the models built from now on (default:
-        gradient_allreduce)."""
+        gradient_allreduce); ``keeps(world)``: why DDP's own reducer keeps a model of ``world``
+        ranks unless asked otherwise (``use_algorithm``), or None to take it over
+        (sync_owner.py)."""
         self.choice = algorithm or AlgorithmChoice()
+        self.keeps = keeps or (lambda world: None)
+        self.kept = weakref.WeakSet()    # models DDP keeps because nothing asked for the takeover
         self.options = {"bucket_bytes": int(bucket_bytes), "compression": self.choice.compression(compression),
                         "hierarchical": bool(hierarchical), "timeout_seconds": timeout_seconds}
         self.ledger = Ledger()
@@ -113,7 +117,9 @@ class DDPTakeover:
             if ddp_class in type(obj).__mro__:   # not issubclass: its ABC checks are slow over every object
                 self.adopt(obj)
 
-    def adopt(self, ddp):
+    def adopt(self, ddp, asked=False):
+        """Take ``ddp``'s gradient sync over, or say why DDP keeps it; ``asked``: a communication
+        algorithm was asked for this model (``use_algorithm``), whatever ``keeps`` says."""
         if ddp in self.reducers:
             return
         self.groups[ddp] = ddp.process_group
@@ -122,6 +128,10 @@ class DDPTakeover:
         reducer = algorithm = None
         try:
             reason = _unsupported(ddp)
+            if reason is None and not asked:
+                reason = self.keeps(dist.get_world_size(ddp.process_group))
+                if reason is not None:
+                    self.kept.add(ddp)
             if reason is None:
                 params, _ = ddp_reducer_params(ddp)
                 name_of = {id(p): n for n, p in ddp.module.named_parameters()}
@@ -251,6 +261,10 @@ class DDPTakeover:
         """Run ``ddp`` with ``choice`` (an ``AlgorithmChoice``) from its next forward on; its
         current algorithm is closed. A collective over its process group. Returns None, or why
         DDP keeps its own gradient sync for this model."""
+        if ddp in self.kept:             # asked for now: autopatch's allreduce runs it
+            self.kept.discard(ddp)
+            self.log.rejoin(ddp)
+            self.adopt(ddp, asked=True)
         if ddp not in self.reducers:
             return self.log.why_left(ddp) or "it is not a DistributedDataParallel model autopatch took over"
         entry = self._entry(ddp)

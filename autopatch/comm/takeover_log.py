@@ -65,6 +65,12 @@ class TakeoverLog:
             warnings.warn(f"autopatch: {type(ddp.module).__name__} keeps DDP's own gradient sync: {reason}",
                           RuntimeWarning, stacklevel=3)
 
+    def rejoin(self, ddp):
+        """``ddp``, left to DDP until now, is taken over after all."""
+        reason = self._left.pop(ddp, None)
+        name = type(ddp.module).__name__
+        self.left_to_ddp = [e for e in self.left_to_ddp if (e["model"], e["reason"]) != (name, reason)]
+
     def why_left(self, ddp):
         """Why DDP keeps ``ddp``'s own gradient sync, or None."""
         return self._left.get(ddp)

@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import dist
+from .. import agreement, dist
 from ..fusion.routes import choose as choose_route
 from ..vocabulary import AUTO, MULTI_LAYER, OFF, WATCHED_MODES
 from .auto import AutoMode
@@ -191,11 +191,17 @@ class ModeChooser:
         agree = None
         group = self.eligibility.process_group(opt) if dist.world_size() > 1 else None
         if group is not None:       # a model several ranks train: they walk one schedule
-            everywhere = dist.gather(allowed, group)
+            topic = f"mode auto of {self.qualname}"
+            try:
+                everywhere = agreement.gather(topic, allowed, group)
+            except Exception as e:  # a rank that will not come: this one measures on its own
+                everywhere = [allowed]
+                why = f"{why}; measured on this rank alone ({e})"
+            else:
+                agree = functools.partial(agreement.agree, topic, group=group)
             for mode in [m for m in allowed if not all(m in other for other in everywhere)]:
                 allowed.remove(mode)
                 ruled_out[mode] = "ruled out in another process"
-            agree = functools.partial(dist.agree, group=group)
         device = next((p.device for g in opt.param_groups for p in g["params"]), torch.device("cpu"))
         first = self.auto.start(allowed, ruled_out, why, step, device, agree, current=current)
         if first is None:

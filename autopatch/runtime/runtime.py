@@ -6,6 +6,7 @@ early: when it is not loaded yet, the patch waits for ``torch.optim`` to be impo
 goes for DistributedDataParallel, whose gradient sync the comm room takes over.
 """
 
+import functools
 import gc
 import sys
 import time
@@ -13,6 +14,7 @@ import weakref
 
 import wrapt
 
+from .. import agreement
 from ..patching import Ledger, building_own_objects
 from ..reporting.sections import ReportSections
 from .comm_view import CommView
@@ -45,6 +47,7 @@ class Runtime:
 
     def install(self, session):
         from .monitors import attach
+        agreement.opened()
         self.active = True
         self._detach = attach(session)   # step timer, TensorBoard, autotune: only when asked
         self._when_imported("torch.optim", self._patch_torch)
@@ -100,16 +103,19 @@ class Runtime:
 
     def _take_over_ddp(self, module):
         """DDP models built from now on (and live ones) get autopatch's bucketed allreduce, or
-        the policy's communication algorithm, which hears of every optimizer step."""
+        the policy's communication algorithm, which hears of every optimizer step, where the
+        policy asks for them (comm/sync_owner.py); else DDP keeps its own sync."""
         from ..comm.algorithm_choice import AlgorithmChoice
         from ..comm.sync_handle import GradientSync
+        from ..comm.sync_owner import why_ddp_keeps
         from ..comm.takeover import DDPTakeover
         if self.comm is not None:
             return
         ar = self.policy.allreduce
         comm = DDPTakeover(bucket_bytes=ar.bucket_bytes, compression=ar.compression,
                            hierarchical=ar.hierarchical, timeout_seconds=ar.timeout_seconds,
-                           warn=ar.enabled is True, algorithm=AlgorithmChoice.from_policy(self.policy))
+                           warn=ar.enabled is True, algorithm=AlgorithmChoice.from_policy(self.policy),
+                           keeps=functools.partial(why_ddp_keeps, self.policy))
         self.comm = self.comm_view.takeover = comm
         self.gradient_sync = GradientSync(comm)
         comm.install(module)
@@ -165,6 +171,7 @@ class Runtime:
             ctrl.flush()
 
     def uninstall(self):
+        agreement.closed()       # ranks waiting on this one's decisions stop waiting
         self.active = False
         self._detach()
         if self.comm is not None:
