@@ -21,13 +21,10 @@ A synchronised backward:
 
 The first synchronised backward only records the order gradients arrive in. Rank 0's order is
 broadcast, the buckets are laid out in it, and that step is reduced at its end without
-overlap. Every synchronised backward checks that the ranks agree on the layout before any
-collective whose size follows from it (layout_check.py): the check's header rides with the
-first bucket, whose shape every rank agreed on at the last check (in its tail over two ranks,
-right behind it over more), and the other buckets are launched once the headers agree; only
-after a change (the first step, a knob just applied) does the header travel alone, at the first
-hook. Ranks whose layouts differ raise ``LayoutMismatch`` and never issue mismatched
-collectives, on which gloo aborts the process.
+overlap. A layout is checked across ranks on the synchronised backward that first uses it (the
+first, and the first after a knob is applied), by a small collective of its own at that step's
+first gradient; later steps add no collective (layout_check.py). Ranks whose layouts differ raise
+``LayoutMismatch`` and never issue mismatched collectives, on which gloo aborts the process.
 
 Knobs for the autotuner: ``set_bucket_bytes(n)``, ``set_compression(name)`` and
 ``set_hierarchical(flag)`` take effect at the next synchronised backward. Call them on every rank
@@ -51,6 +48,7 @@ from .buckets import GradientLayout
 from .compression import checked
 from .hierarchy import node_groups
 from .layout_check import LayoutCheck
+from .sync_owner import changes_results
 from .waiting import Waiter
 
 
@@ -128,9 +126,8 @@ class BucketedAllreduce:
                                "twice in one synchronised backward (reentrant checkpointing, or "
                                "backward through the same graph twice); DDP does not support this either")
         self._contribute(i)
-        # launch when the next bucket is full, or see whether the lead has arrived (a first bucket
-        # still due to carry the header launches only once full, which ``arrived`` says)
-        if self.buckets.arrived(i) or not (self.check.passed or self.check.due):
+        # launch when the next bucket is full, or see whether the layout check's header has arrived
+        if self.buckets.arrived(i) or not self.check.passed:
             self._launch()
         if self.buckets.inflight and self.check.passed and self._hands_over_early():
             self.buckets_handed_over_early += self.buckets.poll(self.waiter, self._finish)
@@ -207,24 +204,16 @@ class BucketedAllreduce:
         self.check.begin(self.buckets)
 
     def _relayout(self):
-        self.buckets = BucketGroup(self.params, self.layout, self.settings, self.group, self.world, self.nodes,
-                                   header=self.check.header_numel)
+        self.buckets = BucketGroup(self.params, self.layout, self.settings, self.group, self.world, self.nodes)
         self.layouts += 1
 
     # -- launching ------------------------------------------------------------------------------
     def _launch(self, rest=False):
         """Launch what may go now, in bucket order (with ``rest``, everything: backward is over).
-
-        While this step's layout check is open, a first bucket that carries its header is launched
-        as soon as it is full, and no other bucket before the check has passed. A hook never waits
-        for the check: a later hook, or the end of backward, launches the buckets held back.
-        """
+        While this step's layout check is open, no bucket goes before it has passed; a hook never
+        waits for the check: a later hook, or the end of backward, launches the buckets held back."""
         buckets, check = self.buckets, self.check
         if not check.passed:
-            if check.due:
-                if not (rest or buckets.full(0)):
-                    return
-                check.carry(buckets)
             if not (rest or check.completed()):
                 return
             check.finish(self.waiter.wait)
@@ -297,13 +286,14 @@ class BucketedAllreduce:
             "buckets": 0 if self.buckets is None else len(self.buckets),
             "compression": s["compression"],
             "hierarchical": s["hierarchical"],
+            "changes_results": changes_results(self.world, s["compression"], s["hierarchical"]),
             "find_unused_parameters": self.find_unused,
             "synchronised_steps": self.steps,
             "bytes_sent_per_step": 0 if self.buckets is None else self.buckets.bytes_per_step,
             "wait_seconds": round(self.wait_seconds, 6),
             "wait_seconds_per_step": round(self.wait_seconds / self.steps, 6) if self.steps else 0.0,
             "layouts": self.layouts,
-            "layout_checks_alone": self.check.alone,
+            "layout_checks": self.check.checks,
             "buckets_handed_over_early": self.buckets_handed_over_early,
         }
 

@@ -36,11 +36,6 @@ class Averager:
         self.nodes = nodes          # NodeGroups (hierarchy.py) when reducing node by node
         self.row = row
 
-    def plain(self, tensor):
-        """``tensor`` is averaged by one allreduce of itself: extra elements in it (the layout
-        check's header) travel exactly, and add no collective."""
-        return self.nodes is None and not compresses(self.compression, tensor)
-
     @property
     def single_collective(self):
         """One collective per bucket: once it completes, finishing the bucket issues nothing."""

@@ -2,18 +2,10 @@
 
 A bucket group is built whenever the layout or a setting changes (bucket size, compression,
 hierarchical reduce). In a step it hands out each bucket's buffer (``views``), counts its
-gradients in (``arrived``), launches reductions strictly in bucket order (``start_lead``,
-``start_full``, ``start_rest``: every rank issues the same collectives in the same order), and
-waits for them (``poll`` hands over the ones already complete while backward goes on, ``drain``
-waits for all); ``take`` gives a finished bucket's views to whoever sets the parameters' ``.grad``.
-
-When the first bucket is reduced by one plain allreduce of its own buffer over at most two ranks
-(``carrier``), that buffer ends in room for the layout check's header (``header`` elements), and
-the bucket's reduction takes the header along when launched by ``start_lead``: see
-layout_check.py. Over more ranks gloo's ring cuts a buffer into segments by its length and starts
-each segment's sum at another rank, so a longer buffer would add some gradients in another order
-than DDP does, and the averages would no longer equal DDP's bit for bit; over two, each element is
-one addition, the same in either order.
+gradients in (``arrived``), launches reductions strictly in bucket order (``start_full``,
+``start_rest``: every rank issues the same collectives in the same order), and waits for them
+(``poll`` hands over the ones already complete while backward goes on, ``drain`` waits for all);
+``take`` gives a finished bucket's views to whoever sets the parameters' ``.grad``.
 """
 
 import weakref
@@ -27,9 +19,7 @@ from .waiting import start
 
 
 class BucketGroup:
-    def __init__(self, params, layout, settings, group, world, nodes, header=0):
-        """``header``: the elements the layout check's header takes at the end of the first
-        bucket's buffer, where that bucket can carry it."""
+    def __init__(self, params, layout, settings, group, world, nodes):
         self.params = params
         self.buckets = plan_buckets(layout, params, settings["bucket_bytes"])
         self.bucket_of = [0] * len(params)
@@ -43,11 +33,6 @@ class BucketGroup:
         # what the layout check compares (the checksum), and shows when ranks disagree
         self.row = [self.checksum, settings["bucket_bytes"], len(self.buckets),
                     COMPRESSIONS.index(settings["compression"]), int(settings["hierarchical"]), len(params)]
-        first = self.buckets[0]
-        # one plain allreduce of the first bucket's own buffer: it can lead the step (layout_check.py)
-        self.plain_lead = self.averager.plain(torch.empty(0, dtype=first.dtype, device="meta"))
-        self.carrier = bool(header) and world <= 2 and self.plain_lead
-        self.header = header if self.carrier else 0
         self.bytes_per_step = sum(self.averager.bytes_sent(torch.empty(b.numel, dtype=b.dtype, device="meta"))
                                   for b in self.buckets)
         self._held = {}        # bucket -> (weakref to its last buffer, weakrefs to its views)
@@ -57,8 +42,7 @@ class BucketGroup:
         return len(self.buckets)
 
     def reset(self):
-        """A new step: nothing arrived, nothing launched, no header carried yet."""
-        self.carrying = False
+        """A new step: nothing arrived, nothing launched."""
         self.missing = [len(b.params) for b in self.buckets]
         self.next = 0              # the next bucket to launch
         self.inflight = []         # (stages, the work waited for next, bucket)
@@ -78,15 +62,10 @@ class BucketGroup:
                                        for i, v in zip(self.buckets[b].params, views)):
                 self.buffers[b] = (buf, views)
                 return views
-        buf, views = self.buckets[b].new_buffer(self.header if b == 0 else 0)
+        buf, views = self.buckets[b].new_buffer()
         self.buffers[b] = (buf, views)
         self._held[b] = (weakref.ref(buf), [weakref.ref(v) for v in views])
         return views
-
-    def lead_header(self):
-        """The tail of the first bucket's buffer for this step, where the header travels."""
-        self.views(0)
-        return self.buffers[0][0][self.buckets[0].numel:]
 
     def full(self, b):
         return self.missing[b] == 0
@@ -107,16 +86,8 @@ class BucketGroup:
         while self.next < len(self.buckets):
             self._start(self.next)
 
-    def start_lead(self):
-        """Launch the first bucket, with the header in its tail where it carries one; returns its work."""
-        self.carrying = True
-        self._start(0)
-        return self.inflight[-1][1]
-
     def _start(self, b):
         buf = self.buffers[b][0]
-        if b == 0 and self.header and not self.carrying:
-            buf = buf[:self.buckets[0].numel]
         self.inflight.append(start(self.averager.stages(buf), b))
         self.next = b + 1
 

@@ -43,10 +43,9 @@ class Bucket:
     def nbytes(self):
         return self.numel * self.dtype.itemsize
 
-    def new_buffer(self, tail=0):
-        """A buffer for one step (``tail`` more elements after the gradients), and each
-        parameter's view of it (in ``params`` order)."""
-        buf = torch.empty(self.numel + tail, dtype=self.dtype, device=self.device)
+    def new_buffer(self):
+        """A buffer for one step, and each parameter's view of it (in ``params`` order)."""
+        buf = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         return buf, [buf.as_strided(*v) for v in self.views]
 
 

@@ -249,16 +249,6 @@ def expect_error(fn):
 def failures():
     res = {"mismatch": expect_error(lambda: job(on(bucket_bytes=1024 if RANK == 0 else 8192)))}
     dist.barrier()      # a mismatch leaves the process group usable: nothing mismatched was sent
-    # After steps whose first bucket carried the check, one rank changes its layout: its lead is
-    # the agreed shape all the same, so the mismatch is caught and nothing mismatched is sent.
-    for name, allreduce, change in (
-            ("one_rank_compresses", {}, lambda comm: comm.set_compression("minmax_uint8")),
-            ("one_rank_grows_buckets", {"bucket_bytes": 1024}, lambda comm: comm.set_bucket_bytes(25 * 2**20))):
-        def change_on_rank_1(step, net, change=change):
-            if step == 1 and RANK == 1:
-                change(autopatch.session().allreduce)
-        res[name] = expect_error(lambda: job(on(**allreduce), model=plain_mlp, on_step=change_on_rank_1))
-        dist.barrier()
     res["unused_without_flag"] = expect_error(lambda: job(on(), model=Branchy, steps=2))
     dist.barrier()      # so does DDP's unused-parameter error: the step's collectives all ran
 
@@ -291,12 +281,7 @@ def accumulate_once_backward_is_chosen():
 
 def stall():
     """Last in its spawn: after a timeout the process group is in no state to go on."""
-    def only_rank_0_switches(step, net):
-        if step == 1 and RANK == 0:
-            autopatch.session().allreduce.set_bucket_bytes(1024)
-    res = {"one_rank_switches": expect_error(lambda: job(on(timeout_seconds=10), model=plain_mlp,
-                                                         on_step=only_rank_0_switches))}
-    dist.barrier()
+    res = {}
     stalled_at = {}
 
     def slow_rank_1(step, net):
