@@ -79,6 +79,7 @@ class DDPTakeover:
         self.choice = algorithm or AlgorithmChoice()
         self.keeps = keeps or (lambda world: None)
         self.kept = weakref.WeakSet()    # models DDP keeps because nothing asked for the takeover
+        self.uneven = weakref.WeakSet()  # models whose ranks may step unevenly (a Join context)
         self.options = {"bucket_bytes": int(bucket_bytes), "compression": self.choice.compression(compression),
                         "hierarchical": bool(hierarchical), "timeout_seconds": timeout_seconds}
         self.ledger = Ledger()
@@ -112,7 +113,7 @@ class DDPTakeover:
         self.ledger.wrap(ddp_class, "__init__", self._after_init)
         self.ledger.wrap(ddp_class, "forward", self._forward)
         for name, reason in DDP_HANDING_BACK.items():
-            self.ledger.wrap(ddp_class, name, self._handing_back(reason))
+            self.ledger.wrap(ddp_class, name, self._handing_back(reason, uneven=name == "join_hook"))
         for obj in gc.get_objects():
             if ddp_class in type(obj).__mro__:   # not issubclass: its ABC checks are slow over every object
                 self.adopt(obj)
@@ -206,8 +207,10 @@ class DDPTakeover:
             reducer.arm(wanted and (algorithm is None or algorithm.gradient_sync()))
         return out
 
-    def _handing_back(self, reason):
+    def _handing_back(self, reason, uneven=False):
         def wrapper(wrapped, instance, args, kwargs):
+            if uneven:
+                self.uneven.add(instance)
             self.hand_back(instance, reason)
             return wrapped(*args, **kwargs)
         return wrapper
@@ -282,10 +285,14 @@ class DDPTakeover:
 
     def group_of(self, params):
         """The process group of the DDP model (taken over or left to DDP) holding any of
-        ``params``, or None when none does."""
+        ``params``, whose ranks step together; None when none does, or when its ranks may step
+        unevenly (an algorithm such as async, a Join context): then each rank decides alone."""
         ids = {id(p) for p in params}
         for ddp in list(self.groups):
             if any(id(p) in ids for p in ddp.module.parameters()):
+                algorithm = self.algorithms.get(ddp)
+                if ddp in self.uneven or (algorithm is not None and algorithm.steps_unevenly):
+                    return None
                 return self.groups[ddp]
         return None
 

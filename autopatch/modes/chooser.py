@@ -17,8 +17,8 @@ decision with its reason.
 Autotune may also switch the mode at run time; ``chosen_by`` says who set the mode in effect.
 """
 
-import functools
 import sys
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -198,7 +198,7 @@ class ModeChooser:
                 everywhere = [allowed]
                 why = f"{why}; measured on this rank alone ({e})"
             else:
-                agree = functools.partial(agreement.agree, topic, group=group)
+                agree = self._agreeing(opt, topic, group)
             for mode in [m for m in allowed if not all(m in other for other in everywhere)]:
                 allowed.remove(mode)
                 ruled_out[mode] = "ruled out in another process"
@@ -208,6 +208,18 @@ class ModeChooser:
             return Decision(OFF, self.auto.reason())
         self.phase = MEASURING
         return Decision(first, self.auto.measuring_reason())
+
+    def _agreeing(self, opt, topic, group):
+        """Rank 0's decision on every rank of ``group``, while its ranks step together (they stop
+        when the model enters a Join context: from then on each rank decides alone)."""
+        opt_ref = weakref.ref(opt)
+
+        def agree(decision):
+            opt = opt_ref()
+            if opt is None or self.eligibility.process_group(opt) is None:
+                return decision
+            return agreement.agree(topic, decision, group=group)
+        return agree
 
     def _measuring(self, current):
         """A step boundary while measuring: switch as the schedule says, or to the choice."""

@@ -7,8 +7,9 @@ Every optimizer's controller (modes/) gets this one view, and nothing else of co
 - ``algorithm_of(params)``: the communication algorithm that exchanges their weights or optimizer
   state (its ``name``, the ``fusion_modes`` it allows and its ``fusion_refusal``), or None;
 - ``step_owner(opt)``: what takes ``opt``'s step over (qadam past warm-up: ``name``, ``step(opt)``);
-- ``group_of(params)``: the process group of the DDP model holding them, for every collective the
-  optimizer's side makes (mode auto's agreements); None: the world;
+- ``group_of(params)``: the process group of the DDP model holding them, the ranks mode auto's
+  decisions agree across; None: each rank decides alone (no such model, or its ranks may step
+  unevenly);
 - ``before_step(opt)`` / ``after_step(opt)``: called by the controller at the start of every
   step() and once the step is over, so that the algorithms of the models ``opt`` updates can hold
   and release their weights around it.

@@ -57,15 +57,20 @@ def site_packages():
 
 
 def spawn_two_ranks(worker, suite, tmp_path_factory, timeout):
-    """Run ranks 0 and 1 of ``worker``'s ``suite`` on gloo over loopback; each rank saves its
-    results to ``rank{r}.pt``. Returns ({rank: results} for the ranks that saved, outputs,
-    return codes)."""
+    """Ranks 0 and 1 of ``worker``'s ``suite``: ``spawn_ranks`` over two."""
+    return spawn_ranks(worker, suite, tmp_path_factory, timeout, world=2)
+
+
+def spawn_ranks(worker, suite, tmp_path_factory, timeout, world):
+    """Run ranks 0 to ``world`` - 1 of ``worker``'s ``suite`` on gloo over loopback
+    (``worker SUITE RANK INIT_FILE OUT WORLD``); each rank saves its results to ``rank{r}.pt``.
+    Returns ({rank: results} for the ranks that saved, outputs, return codes)."""
     tmp = tmp_path_factory.mktemp(suite)
     env = clean_env(OMP_NUM_THREADS=1, GLOO_SOCKET_IFNAME="lo")
     procs = [subprocess.Popen([sys.executable, str(SUPPORT / worker), suite, str(rank),
-                               str(tmp / "init"), str(tmp / f"rank{rank}.pt")],
+                               str(tmp / "init"), str(tmp / f"rank{rank}.pt"), str(world)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
+             for rank in range(world)]
     outputs = []
     try:
         for p in procs:
@@ -75,5 +80,5 @@ def spawn_two_ranks(worker, suite, tmp_path_factory, timeout):
             if p.poll() is None:
                 p.kill()
     results = {r: torch.load(tmp / f"rank{r}.pt", weights_only=False)
-               for r in (0, 1) if (tmp / f"rank{r}.pt").exists()}
+               for r in range(world) if (tmp / f"rank{r}.pt").exists()}
     return results, outputs, [p.returncode for p in procs]

@@ -55,6 +55,7 @@ class AsyncModelAverage(Algorithm):
                       "and an update deferred to the next forward would land after averaging rounds meant "
                       "to follow it")
     syncs_buffers = False     # a collective in every forward would tie the ranks' steps together
+    steps_unevenly = True
 
     def __init__(self, params, group, *, peer_selection_mode="all", sync_interval_ms=500, warmup_steps=0,
                  timeout_seconds=None):

@@ -95,6 +95,7 @@ class Algorithm:
     # DDP broadcasts buffers (BatchNorm statistics) from rank 0 at each training forward, a
     # collective on the training thread; False leaves buffers local.
     syncs_buffers = True
+    steps_unevenly = False   # ranks may run different numbers of steps (no collective ties them)
 
     def __init__(self, params, group, *, timeout_seconds=None):
         self.params = [p for p in params if p.is_floating_point()]
