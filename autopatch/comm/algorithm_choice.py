@@ -13,6 +13,8 @@ charge, so the default stays DDP's arithmetic. Settings that cannot work with th
 world) are a ``PolicyError`` raised where the model is built, on every rank alike, before any step.
 """
 
+import dataclasses
+
 import torch.distributed as dist
 
 from ..policy import PolicyError, algorithm_settings, check_algorithm_name, check_algorithm_setting
@@ -45,12 +47,12 @@ class AlgorithmChoice:
         """The allreduce's compression: bytegrad's 8 bits, else ``configured`` (the policy's)."""
         return "minmax_uint8" if self.name == BYTEGRAD else configured
 
-    def allreduce_options(self, options, group):
-        """The bucketed allreduce's options for one model: bytegrad's compression, and the
-        hierarchy this algorithm asks for."""
-        out = dict(options, compression=self.compression(options["compression"]))
+    def allreduce_settings(self, settings, group):
+        """The bucketed allreduce's ``SyncSettings`` for one model: bytegrad's compression, and
+        the hierarchy this algorithm asks for."""
+        out = dataclasses.replace(settings, compression=self.compression(settings.compression))
         if self.name != GRADIENT_ALLREDUCE or self.explicit_hierarchical is not None:
-            out["hierarchical"] = self._hierarchical(group)
+            out = dataclasses.replace(out, hierarchical=self._hierarchical(group))
         return out
 
     def build(self, params, group, timeout_seconds=None):
@@ -97,6 +99,13 @@ GRADIENT_CHANGES = {
                      "the average differs from DDP's by up to a code step per row"),
 }
 
+def _changes(compression, models):
+    """What the gradient algorithm changes: its compression's word, or where a model sums in
+    another order than DDP (more than two ranks), that model's."""
+    differs = next((m["changes_results"] for m in models if m.get("changes_results")), None)
+    return differs if compression == "none" and differs else GRADIENT_CHANGES[compression]
+
+
 # What some algorithms add to their description: rounds of async, the phase of qadam, exchanges.
 DETAILS = ("averaging_rounds", "rounds_applied", "rounds_dropped", "state", "phase", "communications")
 
@@ -112,7 +121,7 @@ def describe_algorithm(choice, options, models):
         effective = models or [options]
         compression = effective[-1]["compression"]
         out.update(settings={"compression": compression, "hierarchical": any(m["hierarchical"] for m in effective)},
-                   changes=GRADIENT_CHANGES[compression],
+                   changes=_changes(compression, models),
                    steps=max((m["synchronised_steps"] for m in models), default=0),
                    bytes_sent_per_step=sum(m["bytes_sent_per_step"] for m in models),
                    wait_seconds=round(sum(m["wait_seconds"] for m in models), 6))

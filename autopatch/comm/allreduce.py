@@ -26,8 +26,8 @@ first, and the first after a knob is applied), by a small collective of its own 
 first gradient; later steps add no collective (layout_check.py). Ranks whose layouts differ raise
 ``LayoutMismatch`` and never issue mismatched collectives, on which gloo aborts the process.
 
-Knobs for the autotuner: ``set_bucket_bytes(n)``, ``set_compression(name)`` and
-``set_hierarchical(flag)`` take effect at the next synchronised backward. Call them on every rank
+Knobs for the autotuner: ``use(settings)`` swaps a whole ``SyncSettings`` in at the next
+synchronised backward. Call them on every rank
 between the same two steps (e.g. rank 0 decides and broadcasts, as Bagua does); a rank that
 disagrees is caught by the checksum. A bucket-size change only moves slice boundaries.
 
@@ -55,8 +55,9 @@ from .waiting import Waiter
 class BucketedAllreduce:
     """Averages the gradients of ``params`` over ``group`` in buckets of about ``bucket_bytes``."""
 
-    def __init__(self, params, names, group, *, bucket_bytes, compression="none",
-                 hierarchical=False, timeout_seconds=None, find_unused=False, on_averaged=None):
+    def __init__(self, params, names, group, settings, *, timeout_seconds=None, find_unused=False,
+                 on_averaged=None):
+        """``settings``: a ``SyncSettings`` (bucket size, compression, hierarchical reduce)."""
         self.params = list(params)
         self.names = list(names)
         self.group = group
@@ -66,10 +67,9 @@ class BucketedAllreduce:
         self.on_averaged = on_averaged
         self.buckets_handed_over_early = 0   # handed to on_averaged before backward's end
         self.waiter = Waiter(timeout_seconds, "allreduce", context=lambda: f"step {self.steps + 1}")
-        self.settings = {"bucket_bytes": int(bucket_bytes), "compression": checked(compression),
-                         "hierarchical": bool(hierarchical)}
-        self.nodes = node_groups() if hierarchical else None   # NodeGroups while hierarchical
-        self._pending = {}
+        self.settings = _checked(settings)
+        self.nodes = node_groups() if settings.hierarchical else None   # NodeGroups while hierarchical
+        self._next = None          # settings to swap in at the next synchronised backward
         self.layout = None
         self.buckets = None        # the BucketGroup of the layout and settings in effect
         self.check = LayoutCheck(group, self.world, dist.get_rank(group), self.device)
@@ -81,18 +81,14 @@ class BucketedAllreduce:
                        for i, p in enumerate(self.params)]
 
     # -- knobs ------------------------------------------------------------------------------
-    def set_bucket_bytes(self, nbytes):
-        """Use buckets of about ``nbytes`` from the next synchronised backward on."""
-        nbytes = int(nbytes)
-        if nbytes < 1:
-            raise ValueError(f"bucket size must be a positive byte count, got {nbytes}")
-        self._pending["bucket_bytes"] = nbytes
+    def use(self, settings):
+        """Run with ``settings`` (a ``SyncSettings``, whole) from the next synchronised backward on."""
+        self._next = _checked(settings)
 
-    def set_compression(self, compression):
-        self._pending["compression"] = checked(compression)
-
-    def set_hierarchical(self, flag):
-        self._pending["hierarchical"] = bool(flag)
+    @property
+    def next_settings(self):
+        """The settings the next synchronised backward runs with."""
+        return self._next or self.settings
 
     # -- the step ---------------------------------------------------------------------------
     def arm(self, sync):
@@ -135,15 +131,14 @@ class BucketedAllreduce:
     def _begin_backward(self):
         self._in_backward = True
         at_backward_end(self._end_backward)
-        if self._pending:
+        if self._next is not None:
             self._apply_settings()
         if self.layout is not None:
             self.check.begin(self.buckets)
 
     def _apply_settings(self):
-        self.settings.update(self._pending)
-        self._pending = {}
-        if self.settings["hierarchical"] and self.nodes is None:
+        self.settings, self._next = self._next, None
+        if self.settings.hierarchical and self.nodes is None:
             self.nodes = node_groups()
         if self.layout is not None:
             self._relayout()
@@ -282,11 +277,11 @@ class BucketedAllreduce:
         s = self.settings
         return {
             "params": len(self.params),
-            "bucket_bytes": s["bucket_bytes"],
+            "bucket_bytes": s.bucket_bytes,
             "buckets": 0 if self.buckets is None else len(self.buckets),
-            "compression": s["compression"],
-            "hierarchical": s["hierarchical"],
-            "changes_results": changes_results(self.world, s["compression"], s["hierarchical"]),
+            "compression": s.compression,
+            "hierarchical": s.hierarchical,
+            "changes_results": changes_results(self.world, s.compression, s.hierarchical),
             "find_unused_parameters": self.find_unused,
             "synchronised_steps": self.steps,
             "bytes_sent_per_step": 0 if self.buckets is None else self.buckets.bytes_per_step,
@@ -303,3 +298,9 @@ class BucketedAllreduce:
             h.remove()
         self._hooks = []
 
+
+def _checked(settings):
+    if settings.bucket_bytes < 1:
+        raise ValueError(f"bucket size must be a positive byte count, got {settings.bucket_bytes}")
+    checked(settings.compression)
+    return settings

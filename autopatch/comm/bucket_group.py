@@ -21,18 +21,18 @@ from .waiting import start
 class BucketGroup:
     def __init__(self, params, layout, settings, group, world, nodes):
         self.params = params
-        self.buckets = plan_buckets(layout, params, settings["bucket_bytes"])
+        self.buckets = plan_buckets(layout, params, settings.bucket_bytes)
         self.bucket_of = [0] * len(params)
         self.position = [0] * len(params)     # i -> its place in its bucket
         for b in self.buckets:
             for n, i in enumerate(b.params):
                 self.bucket_of[i], self.position[i] = b.index, n
-        self.averager = Averager(group, settings["compression"], nodes if settings["hierarchical"] else None)
-        self.checksum = layout_checksum(params, self.buckets, world, settings["bucket_bytes"],
-                                        settings["compression"], settings["hierarchical"])
+        self.averager = Averager(group, settings.compression, nodes if settings.hierarchical else None)
+        self.checksum = layout_checksum(params, self.buckets, world, settings.bucket_bytes,
+                                        settings.compression, settings.hierarchical)
         # what the layout check compares (the checksum), and shows when ranks disagree
-        self.row = [self.checksum, settings["bucket_bytes"], len(self.buckets),
-                    COMPRESSIONS.index(settings["compression"]), int(settings["hierarchical"]), len(params)]
+        self.row = [self.checksum, settings.bucket_bytes, len(self.buckets),
+                    COMPRESSIONS.index(settings.compression), int(settings.hierarchical), len(params)]
         self.bytes_per_step = sum(self.averager.bytes_sent(torch.empty(b.numel, dtype=b.dtype, device="meta"))
                                   for b in self.buckets)
         self._held = {}        # bucket -> (weakref to its last buffer, weakrefs to its views)

@@ -18,15 +18,15 @@ class GradientSync:
 
     @property
     def bucket_bytes(self):
-        return self._takeover.options["bucket_bytes"]
+        return self._takeover.settings.bucket_bytes
 
     @property
     def compression(self):
-        return self._takeover.options["compression"]
+        return self._takeover.settings.compression
 
     @property
     def hierarchical(self):
-        return self._takeover.options["hierarchical"]
+        return self._takeover.settings.hierarchical
 
     @property
     def wait_seconds(self):

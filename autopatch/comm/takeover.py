@@ -1,43 +1,52 @@
-"""Taking over the gradient sync of DistributedDataParallel models, and handing it back.
+"""Running the gradient sync of DistributedDataParallel models, one record per model, and handing
+it back.
 
-DDP still builds the model (checks shapes across ranks, broadcasts parameters and buffers from
-rank 0) and still runs its forward (buffer broadcast, ``state_dict`` keys, ``no_sync()``). Only the
-backward changes: during each forward of a taken-over model ``require_backward_grad_sync`` is held
-False, which is what ``no_sync()`` itself does, so DDP's reducer stays idle. The user's own setting
-(True, or False inside ``no_sync()``) arms autopatch's ``BucketedAllreduce`` instead, and
-``require_forward_param_sync`` is set as DDP would have set it, so buffers are still broadcast.
+Every DDP model built (ddp_patch.py offers each) gets one ``TakenModel`` record: its process group,
+and either the ``BucketedAllreduce`` and communication algorithm autopatch runs it with, or why
+DDP's own reducer keeps it (``left``). While autopatch runs it, DDP still builds the model (shapes
+checked across ranks, parameters and buffers broadcast from rank 0) and still runs its forward
+(buffer broadcast, ``state_dict`` keys, ``no_sync()``). Only the backward changes: during each
+forward ``require_backward_grad_sync`` is held False, which is what ``no_sync()`` itself does, so
+DDP's reducer stays idle. The user's own setting (True, or False inside ``no_sync()``) arms
+autopatch's allreduce instead, and ``require_forward_param_sync`` is set as DDP would have set it.
 
-Left to DDP, with the reason in the report: world size 1, ``static_graph``, a registered comm
-hook, DDP ``mixed_precision``, delayed-allreduce parameters, compiled DDP (python reducer), sparse
-gradients, complex parameters, optimizers applied in backward. A taken-over model is handed back
-to DDP when a comm hook or static graph is set on it later, or when it enters a ``Join`` context
-for uneven inputs (DDP's join hook shadows DDP's own collectives, which autopatch does not issue).
+DDP keeps its reducer, with the reason in the report: where the policy asks for nothing only
+autopatch's allreduce does (sync_owner.py: the default), world size 1, ``static_graph``, a
+registered comm hook, DDP ``mixed_precision``, delayed-allreduce parameters, compiled DDP (python
+reducer), sparse gradients, complex parameters, optimizers applied in backward. A model is handed
+back when a comm hook or static graph is set on it later, or when it enters a ``Join`` context
+(DDP's join hook shadows DDP's own collectives, which autopatch does not issue; its ranks may step
+unevenly from then on).
 
-The policy's communication algorithm (``algorithm_choice.py``) decides what travels. The gradient
-algorithms are settings of the bucketed allreduce; the others are an object per model
-(``comm/algorithms/``) that the forward wrapper drives (``before_forward``, and the allreduce is
-armed only while ``gradient_sync()`` says so) and the runtime drives around each optimizer step
-(``before_step`` / ``after_step`` / ``step_of``). Retiring a model, handing it back and
-``remove()`` close its algorithm. What was done per model, for the report, is the
-``TakeoverLog``'s (``takeover_log.py``).
+Settings (bucket size, compression, hierarchical reduce) are one frozen ``SyncSettings``: a knob
+replaces it whole, and each model's allreduce swaps it in at its next synchronised backward.
+The policy's communication algorithm (``algorithm_choice.py``) decides what travels: the gradient
+algorithms are settings of the allreduce; the others are an object per model
+(``comm/algorithms/``) that ``forward`` drives (``before_forward``, and the allreduce is armed only
+while ``gradient_sync()`` says so) and the runtime drives around each optimizer step
+(``before_step`` / ``after_step`` / ``step_of``, dispatched by ``model_algorithms.py``). Retiring a
+model, handing it back and ``remove()`` close its algorithm; the report's entries
+(``takeover_log.py``) outlive the models.
 """
 
 import collections
-import gc
+import dataclasses
 import warnings
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from ..patching import Ledger
 from ..policy import PolicyError
 from ..topology import topology, why_not_hierarchical
-from ..torch_internals import DDP_HANDING_BACK, applied_in_backward, ddp_reducer_params, ddp_unsupported
+from ..torch_internals import applied_in_backward, ddp_reducer_params, ddp_unsupported
 from .algorithm_choice import AlgorithmChoice
 from .allreduce import BucketedAllreduce
 from .compression import checked
+from .ddp_patch import DDPPatch
+from .sync_settings import SyncSettings
 from .model_algorithms import ModelAlgorithms
 from .takeover_log import TakeoverLog
 
@@ -62,12 +71,24 @@ def _unsupported(ddp):
     return None
 
 
-class DDPTakeover:
-    """The patches on DistributedDataParallel and the reducer of every adopted model.
+@dataclass
+class TakenModel:
+    """One DDP model as the takeover knows it: its group, and either the allreduce autopatch runs
+    its sync with (and the report entry of it), or why DDP's reducer keeps it."""
+    group: object
+    reducer: object = None        # BucketedAllreduce while autopatch runs the sync
+    entry: dict = None            # its report entry (takeover_log.py)
+    left: str = None              # why DDP keeps the sync, while it does
+    kept_by_policy: bool = False  # kept only because nothing asked for autopatch's (use_algorithm may)
+    uneven: bool = False          # its ranks may step unevenly (it entered a Join context)
 
-    ``set_bucket_bytes``, ``set_compression`` and ``set_hierarchical`` apply to every adopted
-    model (and to models built later) from the next synchronised backward on; call them on every
-    rank between the same two steps.
+
+class DDPTakeover:
+    """A record of every DDP model seen, and the allreduce of those whose sync autopatch runs.
+
+    ``set_bucket_bytes``, ``set_compression`` and ``set_hierarchical`` replace the settings whole
+    for every model it runs (and for models built later) from the next synchronised backward on;
+    call them on every rank between the same two steps.
     """
 
     def __init__(self, *, bucket_bytes, compression="none", hierarchical=False,
@@ -78,23 +99,24 @@ class DDPTakeover:
         (sync_owner.py)."""
         self.choice = algorithm or AlgorithmChoice()
         self.keeps = keeps or (lambda world: None)
-        self.kept = weakref.WeakSet()    # models DDP keeps because nothing asked for the takeover
-        self.uneven = weakref.WeakSet()  # models whose ranks may step unevenly (a Join context)
-        self.options = {"bucket_bytes": int(bucket_bytes), "compression": self.choice.compression(compression),
-                        "hierarchical": bool(hierarchical), "timeout_seconds": timeout_seconds}
-        self.ledger = Ledger()
-        self.reducers = weakref.WeakKeyDictionary()     # DDP model -> BucketedAllreduce, while in charge
+        self.settings = SyncSettings(int(bucket_bytes), self.choice.compression(compression), bool(hierarchical))
+        self.timeout_seconds = timeout_seconds
+        self.patch = DDPPatch(self)
+        self.models = weakref.WeakKeyDictionary()       # every DDP model seen -> its TakenModel
         self.algorithms = ModelAlgorithms(self._dropped)
         self.log = TakeoverLog(warn)
-        self.groups = weakref.WeakKeyDictionary()       # every DDP model seen -> its process group
         self.topology = None     # the job's nodes, once a model over the whole world was built
         # on_averaged() callbacks by handle id; torch's RemovableHandle needs a weakref-able dict
         self._listeners = collections.OrderedDict()
 
     # -- backward fusion's view ------------------------------------------------------------------
+    def _running(self):
+        """(model, record) of every model whose sync autopatch runs."""
+        return [(ddp, m) for ddp, m in list(self.models.items()) if m.reducer is not None]
+
     def averages(self, params):
         """True when autopatch averages the gradient of every parameter in ``params``."""
-        mine = {id(p) for reducer in self.reducers.values() for p in reducer.params}
+        mine = {id(p) for _, m in self._running() for p in m.reducer.params}
         return all(id(p) in mine for p in params)
 
     def on_averaged(self, fn):
@@ -109,21 +131,17 @@ class DDPTakeover:
             fn(params)
 
     def install(self, distributed_module):
-        ddp_class = distributed_module.DistributedDataParallel
-        self.ledger.wrap(ddp_class, "__init__", self._after_init)
-        self.ledger.wrap(ddp_class, "forward", self._forward)
-        for name, reason in DDP_HANDING_BACK.items():
-            self.ledger.wrap(ddp_class, name, self._handing_back(reason, uneven=name == "join_hook"))
-        for obj in gc.get_objects():
-            if ddp_class in type(obj).__mro__:   # not issubclass: its ABC checks are slow over every object
-                self.adopt(obj)
+        self.patch.install(distributed_module)
 
     def adopt(self, ddp, asked=False):
-        """Take ``ddp``'s gradient sync over, or say why DDP keeps it; ``asked``: a communication
-        algorithm was asked for this model (``use_algorithm``), whatever ``keeps`` says."""
-        if ddp in self.reducers:
+        """Take ``ddp``'s gradient sync over, or record why DDP keeps it; ``asked``: a
+        communication algorithm was asked for this model (``use_algorithm``), whatever ``keeps``
+        says."""
+        model = self.models.get(ddp)
+        if model is not None and (model.reducer is not None or not (asked and model.kept_by_policy)):
             return
-        self.groups[ddp] = ddp.process_group
+        if model is None:
+            model = self.models[ddp] = TakenModel(ddp.process_group)
         if self.topology is None and why_not_hierarchical(ddp.process_group) is None:
             self.topology = topology()       # every rank builds the model: a good moment to ask
         reducer = algorithm = None
@@ -131,16 +149,16 @@ class DDPTakeover:
             reason = _unsupported(ddp)
             if reason is None and not asked:
                 reason = self.keeps(dist.get_world_size(ddp.process_group))
-                if reason is not None:
-                    self.kept.add(ddp)
+                model.kept_by_policy = reason is not None
             if reason is None:
                 params, _ = ddp_reducer_params(ddp)
                 name_of = {id(p): n for n, p in ddp.module.named_parameters()}
-                options = self.choice.allreduce_options(self._options_for(ddp), ddp.process_group)
+                settings = self.choice.allreduce_settings(self._settings_for(ddp), ddp.process_group)
                 reducer = BucketedAllreduce(
-                    params, [name_of.get(id(p), "?") for p in params], ddp.process_group,
-                    find_unused=ddp.find_unused_parameters, on_averaged=self._averaged, **options)
-                algorithm = self.choice.build(params, ddp.process_group, self.options["timeout_seconds"])
+                    params, [name_of.get(id(p), "?") for p in params], ddp.process_group, settings,
+                    timeout_seconds=self.timeout_seconds, find_unused=ddp.find_unused_parameters,
+                    on_averaged=self._averaged)
+                algorithm = self.choice.build(params, ddp.process_group, self.timeout_seconds)
         except PolicyError:      # settings this world cannot run: every rank raises here alike
             if reducer is not None:
                 reducer.remove()
@@ -150,108 +168,107 @@ class DDPTakeover:
                 reducer.remove()
             reason = f"could not take over ({type(e).__name__}: {e})"
         if reason is not None:
+            model.left = reason
             self.log.leave(ddp, reason)
             return
-        self.reducers[ddp] = reducer
+        if model.left is not None:       # kept until now, asked for now
+            self.log.rejoin(ddp, model.left)
+        model.left, model.kept_by_policy, model.reducer = None, False, reducer
         if algorithm is not None:
             self.algorithms.add(ddp, algorithm)
-        entry = self.log.add(ddp, reducer, algorithm)
-        weakref.finalize(ddp, self.log.retire, entry, "the model was freed")   # the report outlives it
-
-    def _entry(self, ddp):
-        return self.log.entry_of(self.reducers.get(ddp))
+        model.entry = self.log.add(ddp, reducer, algorithm)
+        weakref.finalize(ddp, self.log.retire, model.entry, "the model was freed")   # the report outlives it
 
     def _dropped(self, ddp, algorithm, why):
         """An algorithm cannot go on for this model (qadam over an optimizer it cannot continue):
         it is closed, and the bucketed allreduce averages the gradients from now on."""
-        self.log.close_algorithm(self._entry(ddp), why)
+        self.log.close_algorithm(self.models[ddp].entry, why)
         if dist.get_rank() == 0:
             warnings.warn(f"autopatch: {type(ddp.module).__name__}: {algorithm.name} is not used: {why}",
                           RuntimeWarning, stacklevel=2)
 
-    def _options_for(self, ddp):
-        """The allreduce's options for ``ddp``: hierarchical only where its group allows it."""
+    def _settings_for(self, ddp):
+        """The settings for ``ddp``: hierarchical only where its group allows it."""
         allowed = why_not_hierarchical(ddp.process_group) is None
-        return dict(self.options, hierarchical=self.options["hierarchical"] and allowed)
+        return dataclasses.replace(self.settings, hierarchical=self.settings.hierarchical and allowed)
 
-    def hand_back(self, ddp, reason):
-        if ddp in self.reducers:
-            entry = self._entry(ddp)
-            del self.reducers[ddp]
+    def hand_back(self, ddp, reason, uneven=False):
+        """DDP's reducer runs ``ddp``'s sync from now on; ``uneven``: its ranks may step unevenly."""
+        model = self.models.get(ddp)
+        if model is None:
+            return
+        model.uneven = model.uneven or uneven
+        if model.reducer is not None:
             self.algorithms.pop(ddp)
-            self.log.retire(entry, f"handed back to DDP: {reason}")
+            self.log.retire(model.entry, f"handed back to DDP: {reason}")
+            model.reducer, model.entry, model.left = None, None, reason
             self.log.leave(ddp, reason)
 
-    # -- the wrappers ---------------------------------------------------------------------------
-    def _after_init(self, wrapped, instance, args, kwargs):
-        wrapped(*args, **kwargs)
-        self.adopt(instance)
-
-    def _forward(self, wrapped, instance, args, kwargs):
-        reducer = self.reducers.get(instance)
+    def forward(self, ddp, wrapped, args, kwargs):
+        """DDP's forward of ``ddp``; where autopatch runs its sync, DDP's reducer is kept idle and
+        autopatch's allreduce armed as DDP would have armed its own."""
+        model = self.models.get(ddp)
+        reducer = model.reducer if model is not None else None
         if reducer is None:
             return wrapped(*args, **kwargs)
-        algorithm = self.algorithms.get(instance)
-        wanted = instance.require_backward_grad_sync
+        algorithm = self.algorithms.get(ddp)
+        wanted = ddp.require_backward_grad_sync
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and algorithm is not None:
             algorithm.before_forward(wanted)
-        instance.require_backward_grad_sync = False
+        ddp.require_backward_grad_sync = False
         try:
             out = wrapped(*args, **kwargs)
         finally:
-            instance.require_backward_grad_sync = wanted
-        instance.require_forward_param_sync = grad_enabled and wanted and (
+            ddp.require_backward_grad_sync = wanted
+        ddp.require_forward_param_sync = grad_enabled and wanted and (
             algorithm is None or algorithm.syncs_buffers)
         if grad_enabled:
             reducer.arm(wanted and (algorithm is None or algorithm.gradient_sync()))
         return out
 
-    def _handing_back(self, reason, uneven=False):
-        def wrapper(wrapped, instance, args, kwargs):
-            if uneven:
-                self.uneven.add(instance)
-            self.hand_back(instance, reason)
-            return wrapped(*args, **kwargs)
-        return wrapper
-
     # -- knobs ----------------------------------------------------------------------------------
     @property
     def in_charge(self):
         """True while autopatch averages the gradients of some DDP model."""
-        return bool(self.reducers)
+        return bool(self._running())
 
     @property
     def wait_seconds(self):
         """Seconds spent waiting for gradient communication so far, over the models in charge."""
-        return float(sum(r.wait_seconds for r in self.reducers.values()))
+        return float(sum(m.reducer.wait_seconds for _, m in self._running()))
 
     def set_bucket_bytes(self, nbytes):
-        self.options["bucket_bytes"] = int(nbytes)
-        for reducer in self.reducers.values():
-            reducer.set_bucket_bytes(nbytes)
+        self._swap(bucket_bytes=int(nbytes))
 
     def set_compression(self, compression):
-        self.options["compression"] = checked(compression)
-        for reducer in self.reducers.values():
-            reducer.set_compression(compression)
+        self._swap(compression=checked(compression))
 
     def set_hierarchical(self, flag):
-        self.options["hierarchical"] = bool(flag)
-        for ddp, reducer in self.reducers.items():
-            reducer.set_hierarchical(self._options_for(ddp)["hierarchical"])
+        self._swap(hierarchical=bool(flag))
+
+    def _swap(self, **change):
+        """New settings, whole, for every model from its next synchronised backward on (and for
+        models built later); a model's algorithm keeps what it sets itself."""
+        self.settings = dataclasses.replace(self.settings, **change)
+        for ddp, model in self._running():
+            ours = self._settings_for(ddp)
+            model.reducer.use(dataclasses.replace(model.reducer.next_settings, **{
+                k: getattr(ours, k) for k in change}))
 
     # -- report and removal -------------------------------------------------------------------
     def describe(self):
-        return self.log.describe(self.choice, self.options, self.topology)
+        return self.log.describe(self.choice, dataclasses.asdict(self.settings), self.topology)
 
     def remove(self):
         """Give every model back to DDP's own reducer, close every algorithm, and restore the
         DDP class."""
         self.log.retire_all("autopatch was disabled")
-        self.reducers.clear()
+        for model in self.models.values():
+            model.reducer = model.entry = None
+        self.models.clear()
         self.algorithms.clear()
-        self.ledger.uninstall()
+        self.patch.uninstall()
 
     # -- the algorithms, for the runtime and for code that names one ------------------------------
     def algorithm(self, model):
@@ -264,21 +281,18 @@ class DDPTakeover:
         """Run ``ddp`` with ``choice`` (an ``AlgorithmChoice``) from its next forward on; its
         current algorithm is closed. A collective over its process group. Returns None, or why
         DDP keeps its own gradient sync for this model."""
-        if ddp in self.kept:             # asked for now: autopatch's allreduce runs it
-            self.kept.discard(ddp)
-            self.log.rejoin(ddp)
-            self.adopt(ddp, asked=True)
-        if ddp not in self.reducers:
-            return self.log.why_left(ddp) or "it is not a DistributedDataParallel model autopatch took over"
-        entry = self._entry(ddp)
+        self.adopt(ddp, asked=True)      # a model kept because nothing asked for it is asked for now
+        model = self.models.get(ddp)
+        if model is None or model.reducer is None:
+            return (model.left if model is not None else None) or \
+                "it is not a DistributedDataParallel model autopatch took over"
         self.algorithms.pop(ddp)
-        self.log.close_algorithm(entry, f"replaced by {choice.name}")
-        reducer = entry["reducer"]
-        options = choice.allreduce_options(self._options_for(ddp), ddp.process_group)
-        reducer.set_compression(options["compression"])
-        reducer.set_hierarchical(options["hierarchical"])
-        algorithm = choice.build(reducer.params, ddp.process_group, self.options["timeout_seconds"])
-        self.log.set_algorithm(entry, algorithm)
+        self.log.close_algorithm(model.entry, f"replaced by {choice.name}")
+        settings = choice.allreduce_settings(self._settings_for(ddp), ddp.process_group)
+        model.reducer.use(dataclasses.replace(model.reducer.next_settings, compression=settings.compression,
+                                              hierarchical=settings.hierarchical))
+        algorithm = choice.build(model.reducer.params, ddp.process_group, self.timeout_seconds)
+        self.log.set_algorithm(model.entry, algorithm)
         if algorithm is not None:
             self.algorithms.add(ddp, algorithm)
         return None
@@ -288,12 +302,12 @@ class DDPTakeover:
         ``params``, whose ranks step together; None when none does, or when its ranks may step
         unevenly (an algorithm such as async, a Join context): then each rank decides alone."""
         ids = {id(p) for p in params}
-        for ddp in list(self.groups):
+        for ddp, model in list(self.models.items()):
             if any(id(p) in ids for p in ddp.module.parameters()):
                 algorithm = self.algorithms.get(ddp)
-                if ddp in self.uneven or (algorithm is not None and algorithm.steps_unevenly):
+                if model.uneven or (algorithm is not None and algorithm.steps_unevenly):
                     return None
-                return self.groups[ddp]
+                return model.group
         return None
 
     def algorithm_of(self, params):

@@ -6,7 +6,6 @@ left to DDP's own reducer, with the reason. Entries outlive the models they desc
 """
 
 import warnings
-import weakref
 
 import torch.distributed as dist
 
@@ -18,7 +17,6 @@ class TakeoverLog:
         self.warn = warn
         self.entries = []      # per adopted model: its reducer, or once retired its last description
         self.left_to_ddp = []
-        self._left = weakref.WeakKeyDictionary()   # DDP model -> why DDP keeps its gradient sync
 
     def add(self, ddp, reducer, algorithm):
         entry = {"model": type(ddp.module).__name__, "reducer": reducer}
@@ -60,20 +58,15 @@ class TakeoverLog:
     def leave(self, ddp, reason):
         """DDP keeps its own gradient sync for ``ddp``; warn on rank 0 when asked to."""
         self.left_to_ddp.append({"model": type(ddp.module).__name__, "reason": reason})
-        self._left[ddp] = reason
         if self.warn and dist.get_rank() == 0:
             warnings.warn(f"autopatch: {type(ddp.module).__name__} keeps DDP's own gradient sync: {reason}",
                           RuntimeWarning, stacklevel=3)
 
-    def rejoin(self, ddp):
-        """``ddp``, left to DDP until now, is taken over after all."""
-        reason = self._left.pop(ddp, None)
-        name = type(ddp.module).__name__
-        self.left_to_ddp = [e for e in self.left_to_ddp if (e["model"], e["reason"]) != (name, reason)]
-
-    def why_left(self, ddp):
-        """Why DDP keeps ``ddp``'s own gradient sync, or None."""
-        return self._left.get(ddp)
+    def rejoin(self, ddp, reason):
+        """``ddp``, left to DDP for ``reason`` until now, is taken over after all."""
+        gone = {"model": type(ddp.module).__name__, "reason": reason}
+        if gone in self.left_to_ddp:
+            self.left_to_ddp.remove(gone)
 
     def describe(self, choice, options, topology=None):
         """The report's allreduce section: the settings each model runs with (``options`` are the

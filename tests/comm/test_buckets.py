@@ -11,6 +11,7 @@ import torch.distributed as dist
 from autopatch.comm.bucket_group import BucketGroup
 from autopatch.comm.buckets import GradientLayout, layout_checksum, plan_buckets
 from autopatch.comm.layout_check import LayoutCheck
+from autopatch.comm.sync_settings import SyncSettings
 from autopatch.comm.waiting import Waiter
 
 
@@ -58,7 +59,7 @@ def test_the_checksum_changes_with_anything_ranks_must_agree_on():
 
 def test_a_bucket_group_launches_in_order_and_hands_each_bucket_over_once(group):
     ps = params(6, 6, 6)
-    settings = {"bucket_bytes": 24, "compression": "none", "hierarchical": False}
+    settings = SyncSettings(24)
     buckets = BucketGroup(ps, GradientLayout(ps, [2, 1, 0]), settings, group, 1, None)
     assert len(buckets) == 3 and buckets.bytes_per_step == 0        # one rank sends nothing
     for b, i in enumerate([2, 1, 0]):
@@ -84,7 +85,7 @@ def test_a_layout_is_checked_on_the_step_that_first_uses_it_and_never_again(grou
     the check's, and a new layout (a knob applied) is checked once. (Ranks that disagree:
     tests/comm/test_allreduce.py.)"""
     ps = params(6, 6, 6)
-    settings = {"bucket_bytes": 24, "compression": "none", "hierarchical": False}
+    settings = SyncSettings(24)
     check = LayoutCheck(group, 1, 0, torch.device("cpu"))
     buckets = BucketGroup(ps, GradientLayout(ps, [2, 1, 0]), settings, group, 1, None)
     waiter = Waiter(10, "test")
@@ -99,7 +100,7 @@ def test_a_layout_is_checked_on_the_step_that_first_uses_it_and_never_again(grou
         assert check.passed and check.checks == 1 and not check.completed()
         assert buckets.views(0)[0].untyped_storage().nbytes() == 6 * 4     # DDP's length: no tail
 
-    compressed = BucketGroup(ps, GradientLayout(ps, [2, 1, 0]), dict(settings, compression="fp16"), group, 1, None)
+    compressed = BucketGroup(ps, GradientLayout(ps, [2, 1, 0]), SyncSettings(24, "fp16"), group, 1, None)
     check.begin(compressed)
     assert not check.passed and check.checks == 2
     check.finish(waiter.wait)

@@ -1,7 +1,9 @@
 """Ranks that step unevenly never hang on a decision of autopatch's: async's ranks, one stopping
 at step 30 and the other running to 90 while mode auto measures (the default policy with
 ``FUSEDOPT_ALGORITHM=async``), ten jobs in a row on a machine kept busy by another process. Every
-job ends by itself, as it would unpatched, with both ranks' weights saved."""
+job ends by itself, as it would unpatched, with both ranks' weights saved. The process group's
+timeout is 15 minutes, so a wait on a rank that will not come shows as a job that does not end
+within its two minutes (``torchrun_job.Running``), not as gloo's timeout."""
 
 import subprocess
 import sys
@@ -20,7 +22,7 @@ def jobs(tmp_path_factory):
     busy = subprocess.Popen([sys.executable, "-c", BUSY])     # another user's work on the machine
     try:
         return run_all({i: ("default", root / f"run{i}", dict(
-            timeout=120, fault="finish", fault_rank=0, fault_step=30, steps=90, FAULT_PAUSE=0.002,
+            timeout=120, fault="finish", fault_rank=0, fault_step=30, steps=90, FAULT_PAUSE=0.002, FAULT_PG_TIMEOUT=900,
             FUSEDOPT_ALGORITHM="async")) for i in range(RUNS)})
     finally:
         busy.kill()

@@ -21,6 +21,7 @@ from autopatch.comm.algorithms import (AsyncModelAverage, Decentralized, LowPrec
                                        QAdam, QAdamOptimizer)
 from autopatch import topology
 from autopatch.comm.allreduce import BucketedAllreduce
+from autopatch.comm.sync_settings import SyncSettings
 
 SUITE, RANK, WORLD, INIT_FILE, OUT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 WIDTH = 8
@@ -49,12 +50,12 @@ def set_flat(model, vector):
 class Driven:
     """What the DDP takeover does around one model under ``algorithm``."""
 
-    def __init__(self, model, algorithm, sync=None):
+    def __init__(self, model, algorithm, sync=None, compression="none"):
         self.model, self.algorithm = model, algorithm
         self.sync = sync or (lambda: algorithm is None or algorithm.gradient_sync())
         params = list(model.parameters())
         self.reducer = BucketedAllreduce(params, [str(i) for i in range(len(params))], dist.group.WORLD,
-                                         bucket_bytes=2**20)
+                                         SyncSettings(2**20, compression))
 
     def forward(self, x):
         self.reducer.arm(self.sync())
@@ -326,9 +327,8 @@ def digits():
     results = {}
     for name, make in algorithms.items():
         model = net()
-        driven = DDPAsIs(model) if name == "ddp" else Driven(model, make(list(model.parameters())))
-        if name == "bytegrad":
-            driven.reducer.set_compression("minmax_uint8")
+        driven = DDPAsIs(model) if name == "ddp" else Driven(
+            model, make(list(model.parameters())), compression="minmax_uint8" if name == "bytegrad" else "none")
         train(driven, torch.optim.Adam(model.parameters(), lr=1e-2), epochs * per_epoch, data=data,
               pause=0.004 if name == "async" else 0.0)
         driven.close()

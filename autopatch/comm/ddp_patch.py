@@ -1,0 +1,51 @@
+"""The patches on DistributedDataParallel, and nothing else: where a DDP model meets autopatch.
+
+- ``__init__``: every model built is offered to the takeover once DDP has built it (DDP checks
+  shapes across ranks and broadcasts parameters and buffers from rank 0 as always);
+- ``forward``: a model whose sync autopatch runs keeps DDP's reducer idle for this forward, as
+  ``no_sync()`` does, and arms autopatch's allreduce instead (the takeover's ``forward``);
+- the calls that mean DDP must reduce the model itself from now on (a comm hook registered, static
+  graph set, an optimizer fused into backward, a ``Join`` context entered): the model is handed
+  back first (``torch_internals.DDP_HANDING_BACK``).
+
+Models alive when the patch is installed are offered too. ``uninstall`` restores the class.
+"""
+
+import gc
+
+from ..patching import Ledger
+from ..torch_internals import DDP_HANDING_BACK
+
+JOIN = "join_hook"      # a Join context: the model's ranks may step unevenly from now on
+
+
+class DDPPatch:
+    def __init__(self, takeover):
+        self.takeover = takeover
+        self.ledger = Ledger()
+
+    def install(self, distributed_module):
+        ddp_class = distributed_module.DistributedDataParallel
+        self.ledger.wrap(ddp_class, "__init__", self._after_init)
+        self.ledger.wrap(ddp_class, "forward", self._forward)
+        for name, reason in DDP_HANDING_BACK.items():
+            self.ledger.wrap(ddp_class, name, self._handing_back(reason, uneven=name == JOIN))
+        for obj in gc.get_objects():
+            if ddp_class in type(obj).__mro__:   # not issubclass: its ABC checks are slow over every object
+                self.takeover.adopt(obj)
+
+    def uninstall(self):
+        self.ledger.uninstall()
+
+    def _after_init(self, wrapped, instance, args, kwargs):
+        wrapped(*args, **kwargs)
+        self.takeover.adopt(instance)
+
+    def _forward(self, wrapped, instance, args, kwargs):
+        return self.takeover.forward(instance, wrapped, args, kwargs)
+
+    def _handing_back(self, reason, uneven=False):
+        def wrapper(wrapped, instance, args, kwargs):
+            self.takeover.hand_back(instance, reason, uneven=uneven)
+            return wrapped(*args, **kwargs)
+        return wrapper
