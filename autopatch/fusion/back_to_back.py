@@ -7,7 +7,7 @@ would split an alias.
 """
 
 from .flattenable import foreign_memory, unfusable_param
-from .flat_run import state_signature
+from .flat_run import state_signature, unflattenable_state
 
 
 def runs_in_place(opt):
@@ -22,7 +22,7 @@ def runs_in_place(opt):
             why = why_not.get(id(p)) or unfusable_param(p)
             sig = None if why else state_signature(p, opt.state.get(p, {}))
             if why is None and sig is None:
-                why = "optimizer state is not elementwise"
+                why = unflattenable_state(p, opt.state.get(p, {}))
             if why:
                 why_not[id(p)] = why
             else:
@@ -53,17 +53,16 @@ def _overlapping(groups):
 
 
 def _back_to_back(candidates):
-    """Split ``[(param, sig)]`` into maximal runs, in storage order, of contiguous parameters
-    that follow each other in one storage with equal dtype and state signature."""
-    runs = []   # [ptr, end offset or None when it cannot grow, dtype, sig, [(param, sig)]]
+    """Split ``[(param, sig)]`` into maximal runs, in storage order, of dense parameters (in any
+    memory order) that follow each other in one storage with equal dtype and state signature."""
+    runs = []   # [ptr, end offset, dtype, sig, [(param, sig)]]
     key = lambda c: (c[0].untyped_storage().data_ptr(), c[0].storage_offset())
     for p, sig in sorted(candidates, key=key):
         ptr, start = key((p, sig))
         r = runs[-1] if runs else None
-        if (r is not None and r[0] == ptr and r[1] == start and r[2] == p.dtype and r[3] == sig
-                and p.is_contiguous()):
+        if r is not None and r[0] == ptr and r[1] == start and r[2] == p.dtype and r[3] == sig:
             r[1] += p.numel()
             r[4].append((p, sig))
         else:
-            runs.append([ptr, start + p.numel() if p.is_contiguous() else None, p.dtype, sig, [(p, sig)]])
+            runs.append([ptr, start + p.numel(), p.dtype, sig, [(p, sig)]])
     return [(r[0], r[4]) for r in runs]

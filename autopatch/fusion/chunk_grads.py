@@ -11,6 +11,11 @@ most of the work. ``keep_grads=True`` (for runs of the smallest parameters, whos
 bounded share of the optimizer's) copies their grads into one buffer of the run's, made once, and
 leaves each ``.grad`` as it is. Backward fusion ``borrow``s instead: it copies into a scratch
 buffer shared by every chunk in turn, and frees the grads itself once the chunk is updated.
+
+A chunk is a slice of storage, so a gradient is read in its parameter's memory order (a transposed
+or channels_last weight's grad as it lies, which is how autograd makes it); one whose strides
+differ from its parameter's (set by user code) is copied into that order first, never read as
+if it lay like the parameter.
 """
 
 import weakref
@@ -26,8 +31,7 @@ class ChunkGrads:
         # chunk index -> the one parameter it lies in, whose own .grad it reads
         self.direct = {ci: i0 for ci, (i0, i1) in enumerate(run.chunk_spans) if i1 - i0 == 1}
         # chunk of several parameters -> [(shape, stride, offset in the chunk)] of each of them
-        self._layout = {ci: [(run.shapes[i], torch.empty(run.shapes[i], device="meta").stride(),
-                              run.offsets[i] - s)
+        self._layout = {ci: [(run.shapes[i], run.strides[i], run.offsets[i] - s)
                              for i in range(i0, i1)]
                         for ci, ((s, _), (i0, i1)) in enumerate(zip(run.chunk_bounds, run.chunk_spans))
                         if ci not in self.direct}
@@ -95,9 +99,12 @@ class ChunkGrads:
         i = self.direct.get(ci)
         if i is None:
             return False
-        g = self.run.params[i].grad
+        p = self.run.params[i]
+        g = p.grad
+        if g.stride() != p.stride():
+            g = torch.empty_strided(p.shape, p.stride(), dtype=g.dtype, device=g.device).copy_(g)
+        flat = g.as_strided((g.numel(),), (1,))      # its storage, in the parameter's order
         s, e = self.run.chunk_bounds[ci]
-        flat = (g if g.is_contiguous() else g.contiguous()).view(-1)
         self.run.chunks[ci].grad = flat[s - self.run.offsets[i]:e - self.run.offsets[i]]
         return True
 

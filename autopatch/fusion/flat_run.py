@@ -4,6 +4,12 @@ A run holds parameters of one group that share dtype, device and the shape of th
 state. Each parameter's ``.data`` becomes a view into the run's flat buffer, so an update of the
 flat buffer (or of any chunk of it) is an update of the parameters. Chunks are plain slices of the
 flat buffer, cut at parameter boundaries except inside parameters larger than a chunk.
+
+A parameter's range of the buffer holds it in its own memory order, and the parameter and its
+state tensors are views with its own strides (those torch gives state made with
+``preserve_format``): a transposed or channels_last weight stays one, so every kernel reading it
+takes the path it takes unpatched, and the chunks, being slices of storage, stay elementwise
+aligned with the parameters' state and gradients (``ChunkGrads`` reads those in that order too).
 """
 
 import bisect
@@ -27,7 +33,8 @@ def state_signature(param, state):
         if isinstance(v, torch.Tensor):
             if v.dim() == 0:
                 sig.append((key, SCALAR, v.dtype, v.item()))
-            elif v.shape == param.shape and v.device == param.device and not v.is_sparse:
+            elif (v.shape == param.shape and v.device == param.device and not v.is_sparse
+                  and v.stride() == param.stride()):
                 sig.append((key, FULL, v.dtype))
             else:
                 return None
@@ -38,6 +45,14 @@ def state_signature(param, state):
                 return None
             sig.append((key, PYTHON, v))
     return tuple(sig)
+
+
+def unflattenable_state(param, state):
+    """Why ``state_signature(param, state)`` is None."""
+    if any(isinstance(v, torch.Tensor) and v.dim() and v.shape == param.shape
+           and v.stride() != param.stride() for v in state.values()):
+        return "optimizer state is in another memory order than its parameter"
+    return "optimizer state is not elementwise"
 
 
 class FlatRun:
@@ -52,6 +67,7 @@ class FlatRun:
     def __init__(self, params, states, chunk_elems, align=False, keep_grads=False):
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]
+        self.strides = [p.stride() for p in self.params]
         self.offsets, total = [], 0
         for p in self.params:
             self.offsets.append(total)
@@ -110,14 +126,16 @@ class FlatRun:
 
     def _view(self, flat, i):
         o = self.offsets[i]
-        return flat[o:o + self.params[i].numel()].view(self.shapes[i])
+        return flat[o:o + self.params[i].numel()].as_strided(self.shapes[i], self.strides[i])
 
     def _back_to_back(self, tensors):
-        """A flat view over ``tensors`` when they already lie in order in one storage, else None."""
+        """A flat view over ``tensors`` when they already lie in order in one storage, each with
+        its parameter's strides, else None."""
         first = tensors[0]
         base, start = first.untyped_storage(), first.storage_offset()
-        if all(t.untyped_storage().data_ptr() == base.data_ptr() and t.is_contiguous()
-               and t.storage_offset() == start + o for t, o in zip(tensors, self.offsets)):
+        if all(t.untyped_storage().data_ptr() == base.data_ptr() and t.stride() == stride
+               and t.storage_offset() == start + o
+               for t, o, stride in zip(tensors, self.offsets, self.strides)):
             return first.new_empty(0).set_(base, start, (self.numel,), (1,))
         return None
 

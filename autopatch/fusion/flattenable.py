@@ -6,6 +6,11 @@ has no storage of its own to read; FSDP1 re-points its ``FlatParameter`` and the
 ``use_orig_params`` views into it at every forward, so a moved one would be silently switched
 back; and reading a storage that was freed or shrunk crashes the process instead of raising.
 Every check here reads only type, flags and sizes, never the values, so it is safe on all of them.
+
+A parameter in any memory order (transposed, permuted, channels_last) may move: it covers one
+dense range of its storage, which its flat run holds in the same order, so it keeps its strides
+(and every kernel reading it the path it takes unpatched). A view with gaps or overlaps (a
+strided slice, an expanded tensor) has no such range and is stepped per tensor.
 """
 
 import torch
@@ -21,7 +26,24 @@ def unfusable_param(p):
         return "frozen (requires_grad=False)"
     if p.layout != torch.strided or not p.dtype.is_floating_point:
         return "sparse or non-floating parameter"
-    return foreign_memory(p)
+    why = foreign_memory(p)
+    if why is None and not is_dense(p):
+        return NOT_DENSE
+    return why
+
+
+NOT_DENSE = "not dense in memory (a view with gaps or overlaps)"
+
+
+def is_dense(t):
+    """True when ``t`` covers exactly ``numel`` consecutive elements of its storage, its dims in
+    any order: each stride, smallest first, is the product of the sizes of the dims before it."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def foreign_memory(p):

@@ -17,7 +17,7 @@ lie; ``moves_params=False`` fuses only such runs and never moves a parameter
 from .back_to_back import runs_in_place
 from .chunking import bounded_chunk_bytes, smallest_share
 from .flattenable import unfusable_param
-from .flat_run import FlatRun, state_signature
+from .flat_run import FlatRun, state_signature, unflattenable_state
 from .strategy import WeakOptimizer
 
 
@@ -104,7 +104,7 @@ class FlatPlanner:
                 why = self._eligible_with(p, storage_users)
                 sig = None if why else state_signature(p, self.opt.state.get(p, {}))
                 if why is None and sig is None:
-                    why = "optimizer state is not elementwise"
+                    why = unflattenable_state(p, self.opt.state.get(p, {}))
                 if why:
                     self._exclude(plan, p, why)
                     continue
