@@ -73,7 +73,8 @@ def plan_buckets(layout, params, bucket_bytes):
     buckets = []
     for index, run in enumerate(closed):
         (dtype, device), first, _ = layout.span[run[0]]
-        views = [(params[i].shape, torch.empty(params[i].shape, device="meta").stride(),
+        # in the parameter's own memory order where it is dense (as DDP lays its bucket views)
+        views = [(params[i].shape, torch.empty_like(params[i], device="meta").stride(),
                   layout.span[i][1] - first) for i in run]
         buckets.append(Bucket(index, run, dtype, device, layout.span[run[-1]][2] - first, views))
     return buckets

@@ -106,3 +106,15 @@ def test_a_layout_is_checked_on_the_step_that_first_uses_it_and_never_again(grou
     check.finish(waiter.wait)
     assert check.passed and check.agreed == compressed.checksum
 
+
+
+def test_a_bucket_view_keeps_its_parameters_memory_order():
+    """A transposed or channels_last parameter's gradient view has the parameter's strides, as
+    DDP lays its bucket views, so the optimizer reads it in the parameter's order."""
+    ps = [torch.nn.Parameter(torch.zeros(3, 12).t()),
+          torch.nn.Parameter(torch.zeros(8, 3, 3, 3).to(memory_format=torch.channels_last)),
+          torch.nn.Parameter(torch.zeros(4, 5))]
+    buckets = plan_buckets(GradientLayout(ps, [0, 1, 2]), ps, bucket_bytes=2**20)
+    _, views = buckets[0].new_buffer()
+    assert [v.stride() for v in views] == [p.stride() for p in ps]
+    assert sum(v.numel() for v in views) == buckets[0].numel
