@@ -76,21 +76,18 @@ def write_samples(root, n, version=0, name="sample_{i}.bin"):
     return paths
 
 
-class Files(Dataset):
-    """Sample i is read from ``root/sample_{i}.bin``: the dataset names its directory only."""
+class Files(Features):
+    """Sample i's values are read from ``root/sample_{i}.bin`` (its label is Features'): the
+    dataset names its directory only."""
 
     def __init__(self, root, n, load_seconds=LOAD_SECONDS):
-        self.root, self.n, self.load_seconds = root, n, load_seconds
-
-    def __len__(self):
-        return self.n
+        super().__init__(n, load_seconds=load_seconds)
+        self.root = root
 
     def __getitem__(self, i):
-        if not 0 <= i < self.n:
-            raise IndexError(i)
-        busy(self.load_seconds)
+        _, label = super().__getitem__(i)
         with open(f"{self.root}/sample_{i}.bin", "rb") as f:
-            return torch.frombuffer(bytearray(f.read()), dtype=torch.float32), i % 3
+            return torch.frombuffer(bytearray(f.read()), dtype=torch.float32), label
 
 
 class Folder(Dataset):
