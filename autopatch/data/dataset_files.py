@@ -21,6 +21,7 @@ by a name the dataset builds) are not seen here either. A directory the program 
 (checkpoints, logs) changes at every epoch, and turns the cache off.
 """
 
+import collections
 import hashlib
 import os
 
@@ -29,7 +30,7 @@ import torch
 __all__ = ["DatasetFiles", "STATS_PER_CHECK", "WALK_ENTRIES"]
 
 STATS_PER_CHECK = 8192   # os.stat calls of one check, at most
-WALK_ENTRIES = 100_000   # names a walk of the directories a dataset names lists, at most, once
+WALK_ENTRIES = 100_000   # names listed, at most, walking one directory a dataset names (once)
 MAX_DEPTH = 3            # datasets wrapped in datasets (Subset, ConcatDataset) looked into
 _MAX_PATH = 4096
 
@@ -148,10 +149,10 @@ def _add_named(path, paths):
 
 def _walk(root):
     """The directories and files under ``root``, breadth first, at most ``WALK_ENTRIES``."""
-    found, queue = [root], [root]
+    found, queue = [root], collections.deque([root])
     while queue and len(found) < WALK_ENTRIES:
         try:
-            with os.scandir(queue.pop(0)) as entries:
+            with os.scandir(queue.popleft()) as entries:
                 names = sorted(entries, key=lambda e: e.name)
         except OSError:
             continue
