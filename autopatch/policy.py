@@ -21,6 +21,8 @@ import math
 import os
 import re
 import reprlib
+import sys
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -180,21 +182,61 @@ def cache_backend(value):
     word = _env.boolean(text)
     if word is not None:
         return "local" if word else None
-    if text in ("local", "redis") or text.startswith(("redis://", "rediss://", "unix://")):
+    if text in ("local", "redis"):
+        return text
+    if text.startswith(REDIS_SCHEMES):
+        for url in (u.strip() for u in text.split(",") if u.strip()):
+            _redis_url(url)
         return text
     raise ValueError(f"data cache {value!r}: use 1, local, redis or redis://host:port")
 
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+# Bytes of a cache name: every entry's key is "{name}-{signature, 16 hex digits}_{index}", and an
+# lmdb key holds at most 511 bytes, so a longer name would fail every read and write of the run.
+MAX_CACHE_NAME = 400
+
+
+def _cache_name(v):
+    v = _optional_path(v)
+    if v is not None and len(v.encode()) > MAX_CACHE_NAME:
+        raise ValueError(f"a cache name is at most {MAX_CACHE_NAME} bytes of UTF-8 (the local store's keys hold "
+                         f"511 bytes: the name, the dataset's signature and the index), got {shown(v)}")
+    return v
+
+
+def _redis_url(url):
+    """What the Redis client refuses when it connects, refused here (nothing is imported): a server
+    that is no redis://, rediss:// or unix:// URL, or a port that is no number from 0 to 65535."""
+    if not url.startswith(REDIS_SCHEMES):
+        raise ValueError(f"data cache: each server is a redis://host:port URL, not {shown(url)}")
+    try:
+        urllib.parse.urlsplit(url).port
+    except ValueError as e:
+        raise ValueError(f"data cache: server {shown(url)}: {e}") from None
+
+
+# Modules that are no program's own: a cost function named in one is never called (data/complexity.py).
+STANDARD_MODULES = frozenset(getattr(sys, "stdlib_module_names", ())) | frozenset(sys.builtin_module_names) | {
+    "builtins", "__future__"}
+
+
 def complexity_spec(spec):
-    """``spec`` when it is ``len``, ``module:function`` or a callable, else ValueError (nothing is
-    imported: a policy is checked before the program runs)."""
+    """``spec`` when it is ``len``, ``module:function`` or a callable, else ValueError. Nothing is
+    imported (a policy is checked before the program runs), but what the run would refuse from the
+    name alone is refused here: a module of Python's standard library (``os:system``), never the
+    program's own code."""
     if spec is None or spec is False:
         return None
     if callable(spec) or spec == "len":
         return spec
-    module, sep, attr = str(spec).partition(":")
-    if not sep or not module.strip() or not attr.strip():
-        raise ValueError(f"a complexity is 'len' or 'module:function', not {spec!r}")
+    module, sep, attr = (part.strip() for part in str(spec).partition(":"))
+    if not sep or not module or not attr:
+        raise ValueError(f"a complexity is 'len' or 'module:function', not {shown(spec)}")
+    if module.partition(".")[0] in STANDARD_MODULES:
+        raise ValueError(f"{shown(module)} is part of Python's standard library, not the program's own code, "
+                         "and a cost function is only called from the program's own; use len, or a function "
+                         "of the program's")
     return spec
 
 
@@ -331,7 +373,7 @@ class Autotune:
 class Data:
     cache_backend: object = setting(None, cache_backend, "null: no cache; local, redis, or redis://host:port URLs",
                                     key="cache.backend", spellings={"cache": cache_backend})
-    cache_name: object = setting(None, _optional_path, "prefix of every cache name", key="cache.name")
+    cache_name: object = setting(None, _cache_name, "prefix of every cache name", key="cache.name")
     cache_capacity: object = setting(None, _optional(_size),
                                      "bytes: the local store's size, or each Redis server's memory",
                                      key="cache.capacity")

@@ -162,6 +162,14 @@ BAD = {
     "a name too long": ("name: " + "n" * 5000 + "\n", 1, "'name'"),
     "invalid UTF-8": (b"version: 1\nname: caf\xe9\n", 2, "not UTF-8"),
     "a NUL character": ("version: 1\nfusion:\n  mode: a\x00b\n", 3, "unacceptable character"),
+    # What the run would refuse, known from the text alone.
+    "a standard-library cost function": ("data:\n  cache: local\n  load_balance: os:system\n", 3,
+                                         "'data.load_balance'"),
+    "a builtin cost function": ("data:\n  load_balance: ' builtins : eval'\n", 2, "'data.load_balance'"),
+    "a Redis port that is no number": ("data:\n  cache:\n    backend: redis://a:6379,redis://b:x\n", 3,
+                                       "'data.cache.backend'"),
+    "a Redis server that is no URL": ("data:\n  cache: redis://a:6379,b:6379\n", 2, "'data.cache'"),
+    "a cache name longer than a key": ("data:\n  cache:\n    name: " + "n" * 401 + "\n", 3, "'data.cache.name'"),
 }
 
 
@@ -264,6 +272,9 @@ def test_bad_environment_value_names_the_variable(var, value, key):
     ("FUSEDOPT_LOGDIR", b"/tmp/caf\xe9".decode("utf-8", "surrogateescape"), "logging.tensorboard_dir",
      "not valid UTF-8 text: byte 0xe9"),
     ("FUSEDOPT_MODE", "x" * 100_000, "fusion.mode", "expected one of"),
+    ("FUSEDOPT_DATA_BALANCE", "os:system", "data.load_balance", "standard library"),
+    ("FUSEDOPT_DATA_BALANCE", "os.path:join", "data.load_balance", "standard library"),
+    ("FUSEDOPT_DATA_CACHE", "redis://host:99999", "data.cache", "out of range"),
 ])
 def test_environment_values_get_the_same_checks(var, value, key, needle):
     with pytest.raises(PolicyError) as err:
@@ -303,6 +314,8 @@ def _cycle():
     ({"optimizers": {"include": _shared_lists(9)}}, "optimizers.include", "larger than a policy"),
     ({"mode": "multi\udcff"}, "fusion.mode", "not valid UTF-8"),
     ({"fusion": {"observe_steps": 10 ** 5000}}, "fusion.observe_steps", "an int of about 5000 digits"),
+    ({"data": {"load_balance": "os:system"}}, "data.load_balance", "standard library"),
+    ({"data": {"cache": {"name": "n" * 401}}}, "data.cache.name", "at most 400 bytes"),
 ])
 def test_enable_arguments_get_the_same_checks(ap, kwargs, key, needle):
     with pytest.raises(PolicyError) as err:
@@ -376,7 +389,8 @@ def _one_gib_of_memory():
 
 
 @pytest.mark.parametrize("case", ["unknown key in a section", "wrong type", "out of range", "NaN trial seconds",
-                                  "a key twice", "deep nesting", "laughs in the name", "invalid UTF-8"])
+                                  "a key twice", "deep nesting", "laughs in the name", "invalid UTF-8",
+                                  "a standard-library cost function", "a Redis port that is no number"])
 def test_policy_check_bad_file_exits_2_with_one_message(tmp_path, case):
     text, line, key = BAD[case]
     path = write(tmp_path, text)
@@ -421,6 +435,16 @@ def test_policy_check_refuses_an_environment_value_that_is_not_utf8(tmp_path):
 def test_policy_check_unknown_name_or_missing_file_exits_2(tmp_path, spec, needle):
     res = run_python(["-m", "autopatch", "policy", "check", spec], cwd=tmp_path)
     assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr
+
+
+def test_what_the_run_may_call_or_reach_checks_as_valid(tmp_path):
+    """The name-only rules refuse no cost function of the program's, nor a Redis URL the client takes."""
+    path = write(tmp_path, "data:\n  cache:\n    backend: redis://a:6379/0, rediss://b, unix:///tmp/r.sock\n"
+                           "    name: " + "n" * 400 + "\n  load_balance: my_costs.tokens:count\n")
+    res = run_python(["-m", "autopatch", "policy", "check", path])
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.split("\n", 1)[1])["data"]["load_balance"] == "my_costs.tokens:count"
+    assert "my_costs" not in sys.modules
 
 
 def test_policy_list_names_the_builtins():

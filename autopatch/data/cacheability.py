@@ -9,6 +9,8 @@ exactly or safely (``sample_codec``). The signature's samples are loaded on the 
 is made as a DataLoader worker makes it and leaves the dataset's own state alone
 (``load_settings``), and nothing loaded here is ever stored: the cache only keeps what the
 user's loader loaded. Load times are kept: whether the cache pays is decided against the store.
+The files the dataset names are found once here (``dataset_files``), for the signature and for
+each epoch's check.
 """
 
 import statistics
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 from torch.utils.data import IterableDataset
 
+from .dataset_files import DatasetFiles
 from .load_settings import torch_threads
 from .rng_states import seeded
 from .sample_codec import Unstorable, encode
@@ -36,6 +39,7 @@ class Verdict:
     signature: bytes = b""
     samples: dict = field(default_factory=dict)   # index -> sample encoded, loaded under SIGNATURE_SEED
     load_seconds: float = 0.0                      # median time of one load
+    files: DatasetFiles = None                     # the files it names, as the signature saw them
 
 
 def probe(dataset):
@@ -67,5 +71,6 @@ def probe(dataset):
                 elif data != samples[index]:
                     return Verdict(False, f"sample {index} differs between loads under different random seeds: "
                                           "a cache would freeze its random augmentation")
-    return Verdict(True, signature=dataset_signature(dataset, samples), samples=samples,
-                   load_seconds=statistics.median(times))
+    files = DatasetFiles.named_by(dataset)
+    return Verdict(True, signature=dataset_signature(dataset, samples, files), samples=samples,
+                   load_seconds=statistics.median(times), files=files)

@@ -6,8 +6,10 @@ it stands: ``os:system`` or ``builtins:eval`` would run on every sample. A named
 called when its module is one the program has already imported itself (in ``sys.modules`` when
 the sampler is built), is not part of Python's standard library, and defines the function (a
 plain Python function whose ``__module__`` is that module, not a builtin or a name it imported
-from elsewhere). Anything else is ``UntrustedComplexity`` with the reason. The explicit way to use
-any other function is to pass it from Python: ``autopatch.enable(load_balance=fn)``.
+from elsewhere). Anything else is ``UntrustedComplexity`` with the reason. What the name alone
+shows (its form, a standard-library module) is ``policy.complexity_spec``'s rule, so that a policy
+check refuses it before the run. The explicit way to use any other function is to pass it from
+Python: ``autopatch.enable(load_balance=fn)``.
 """
 
 import inspect
@@ -17,9 +19,6 @@ import sys
 from ..policy import complexity_spec
 
 __all__ = ["sequence_length", "complexity_function", "UntrustedComplexity"]
-
-_STANDARD = set(getattr(sys, "stdlib_module_names", ())) | set(sys.builtin_module_names) | {"builtins", "__future__"}
-
 
 class UntrustedComplexity(ValueError):
     """A complexity named by a string that autopatch will not call."""
@@ -51,21 +50,21 @@ def _sized(value):
 def complexity_function(spec):
     """``"len"`` -> ``sequence_length``; a callable -> itself; ``"module:function"`` -> that
     function when it may be called (see the module's docstring), else UntrustedComplexity."""
-    complexity_spec(spec)
+    refused = f"load_balance {spec!r} is not called:"
+    try:
+        complexity_spec(spec)
+    except ValueError as e:
+        raise UntrustedComplexity(f"{refused} {e}") from None
     if callable(spec):
         return spec
     if spec == "len":
         return sequence_length
     module_name, _, attr = (part.strip() for part in str(spec).partition(":"))
-    refused = f"load_balance {spec!r} is not called:"
     module = sys.modules.get(module_name)
     if module is None:
         raise UntrustedComplexity(f"{refused} the program has not imported {module_name!r} (autopatch imports "
                                   "nothing a policy names; import it before building the DataLoader, or pass "
                                   "the function itself: autopatch.enable(load_balance=fn))")
-    if module_name.partition(".")[0] in _STANDARD:
-        raise UntrustedComplexity(f"{refused} {module_name!r} is part of Python's standard library, not the "
-                                  "program's own code; use len, or a function of the program's")
     try:
         fn = operator.attrgetter(attr)(module)
     except AttributeError:

@@ -9,10 +9,11 @@ a subclass may order on purpose) is replaced by a ``FollowingSampler`` at the lo
 size, every dataset scored once and the scores agreed across ranks (``agreed_scores.py``); a
 complexity named by a string is only called when ``complexity.py`` allows it.
 
-``iter(loader)``: a few samples, different each epoch (``signature.recheck_indices``), are loaded
-again as the loader loads them and compared with their entries; a dataset whose samples or
-length changed is served uncached from then on, and its entries are dropped (workers forked for
-the epoch see it; ``persistent_workers`` keep what they were started with).
+``iter(loader)``: the files the dataset names are stat'ed again (``dataset_files``), and a few
+samples, different each epoch (``signature.recheck_indices``), are loaded again as the loader
+loads them and compared with their entries; a dataset whose files, samples or length changed is
+served uncached from then on, and its entries are dropped (workers forked for the epoch see it;
+``persistent_workers`` keep what they were started with).
 
 Nothing here raises into the user's program (``FUSEDOPT_STRICT=1`` aside): a failure leaves the
 DataLoader as the user built it, and is reported.
@@ -183,11 +184,18 @@ class LoaderHooks:
 
     @staticmethod
     def _recheck(fate, dataset, threads):
-        """Load this epoch's recheck samples as the loader would and compare them with their
-        entries; a difference drops the dataset's entries and serves it uncached."""
+        """Stat the files the dataset names, load this epoch's recheck samples as the loader would
+        and compare them with their entries; a difference drops the dataset's entries and serves
+        it uncached."""
         if len(dataset) != fate.length:
             fate.checker.forget()
             fate.bypass("the dataset's length changed during the run; served uncached from then on")
+            return
+        changed_file = fate.verdict.files.changed()
+        if changed_file:
+            fate.checker.forget()
+            fate.bypass(f"{changed_file} since the dataset was cached; its entries were dropped and it is "
+                        "served uncached from then on")
             return
         indices = recheck_indices(fate.length, fate.verdict.signature, fate.rechecks)
         fate.rechecks += 1

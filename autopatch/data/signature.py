@@ -1,8 +1,8 @@
-"""What a dataset is, in 16 bytes: its class, its length and a spread of its samples; and which
-samples each epoch checks again.
+"""What a dataset is, in 16 bytes: its class, its length, a spread of its samples and the sizes
+and times of the files it names (``dataset_files``); and which samples each epoch checks again.
 
 Entries in the cache carry the signature of the dataset that wrote them, so a dataset whose
-class, length or checked samples changed reads none of an older version's entries. Samples are
+class, length, checked samples or named files changed reads none of an older version's entries. Samples are
 loaded as a DataLoader worker would (``load_settings``: fixed seeds, one torch thread), so a
 dataset has one signature on every rank and in every run.
 
@@ -10,12 +10,13 @@ A signature cannot load every sample, so a change elsewhere (between runs, or by
 between epochs) is found by the recheck: each epoch, ``RECHECK_SAMPLES`` other samples are loaded
 again and compared with their entries. The sets follow a fixed pseudo-random cycle through the
 whole dataset (``recheck_indices``), the same on every rank, so every sample is checked once
-every ``len / RECHECK_SAMPLES`` epochs.
+every ``len / RECHECK_SAMPLES`` epochs; the named files are stat'ed again at every epoch.
 """
 
 import hashlib
 import math
 
+from .dataset_files import DatasetFiles
 from .load_settings import loaded_as
 from .sample_codec import encode
 
@@ -40,18 +41,22 @@ def encoded_samples(dataset, indices, seed=SIGNATURE_SEED, threads=1):
         return {i: encode(source[i]) for i in indices}
 
 
-def dataset_signature(dataset, samples=None):
+def dataset_signature(dataset, samples=None, files=None):
     """The signature of ``dataset`` from ``samples`` ({index: encoded sample loaded under
-    SIGNATURE_SEED with one thread}); without them, the spread samples are loaded for it."""
+    SIGNATURE_SEED with one thread}) and ``files`` (its ``DatasetFiles``, whose ``changed`` then
+    compares with what the signature saw); without them, both are found for it."""
     cls = type(dataset)
     length = len(dataset)
     if samples is None:
         samples = encoded_samples(dataset, spread_indices(length))
+    if files is None:
+        files = DatasetFiles.named_by(dataset)
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{cls.__module__}.{cls.__qualname__}\0{length}".encode())
     for i in sorted(samples):
         h.update(f"\0{i}:{len(samples[i])}\0".encode())
         h.update(samples[i])
+    h.update(files.fingerprint())   # nothing when it names no file: such signatures stay as they were
     return h.digest()
 
 

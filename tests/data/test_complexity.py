@@ -50,8 +50,9 @@ print(json.dumps({"sampler": type(loader.sampler).__name__, "items": len(items),
 """
 
 
-@pytest.mark.parametrize("spec", ["no_such_module:cost", "os:system", "builtins:eval"])
+@pytest.mark.parametrize("spec", ["no_such_module:cost", "json_costs:cost"])
 def test_a_bad_name_is_a_warning_and_the_users_sampler(spec, tmp_path, installed):
+    """What only the running program shows (the module was never imported) leaves its sampler."""
     script = write_script(tmp_path / "program.py", PROGRAM)
     marker = tmp_path / "ran"
     done = run_python([script, marker], env=clean_env(FUSEDOPT_ENABLE=1, FUSEDOPT_DATA_BALANCE=spec))
@@ -63,13 +64,16 @@ def test_a_bad_name_is_a_warning_and_the_users_sampler(spec, tmp_path, installed
     assert not list(tmp_path.glob("ran-*"))
 
 
-def test_a_policy_cannot_run_code_and_strict_makes_it_fatal(tmp_path, installed):
+@pytest.mark.parametrize("spec", ["os:system", "builtins:eval"])
+def test_a_policy_naming_the_standard_library_is_refused_before_the_program_runs(spec, tmp_path, installed):
+    """What the name alone shows is the policy check's: one error, with file, line and key."""
     script = write_script(tmp_path / "program.py", PROGRAM)
     policy = tmp_path / "theirs.yaml"
-    policy.write_text("data:\n  load_balance: os:system\n")
-    done = run_python([script, tmp_path / "ran"], env=clean_env(FUSEDOPT_ENABLE=1, FUSEDOPT_POLICY=policy,
-                                                                FUSEDOPT_STRICT=1))
-    assert done.returncode != 0 and "standard library" in done.stderr
+    policy.write_text(f"data:\n  load_balance: {spec}\n")
+    done = run_python([script, tmp_path / "ran"], env=clean_env(FUSEDOPT_ENABLE=1, FUSEDOPT_POLICY=policy))
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(f"autopatch: invalid policy: {policy}:2: key 'data.load_balance': ")
+    assert "standard library" in done.stderr
     assert not list(tmp_path.glob("ran-*"))
 
 

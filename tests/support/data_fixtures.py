@@ -60,6 +60,57 @@ class Stream(IterableDataset):
         return iter(Features(8))
 
 
+def sample_bytes(i, version=0, width=6):
+    """What file-backed datasets hold for sample i: ``width`` float32 values of Features'."""
+    return Features(i + 1, width, version, 0)[i][0].numpy().tobytes()
+
+
+def write_samples(root, n, version=0, name="sample_{i}.bin"):
+    """``n`` sample files under ``root``; their paths."""
+    paths = []
+    for i in range(n):
+        path = root / name.format(i=i, c=i % 3)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(sample_bytes(i, version))
+        paths.append(path)
+    return paths
+
+
+class Files(Features):
+    """Sample i's values are read from ``root/sample_{i}.bin`` (its label is Features'): the
+    dataset names its directory only."""
+
+    def __init__(self, root, n, load_seconds=LOAD_SECONDS):
+        super().__init__(n, load_seconds=load_seconds)
+        self.root = root
+
+    def __getitem__(self, i):
+        _, label = super().__getitem__(i)
+        with open(f"{self.root}/sample_{i}.bin", "rb") as f:
+            return torch.frombuffer(bytearray(f.read()), dtype=torch.float32), label
+
+
+class Folder(Dataset):
+    """torchvision's folder datasets as the cache sees them: ``samples`` and ``imgs`` list
+    ``(path, class)`` pairs found under class directories, and no other attribute names a file."""
+
+    def __init__(self, root, load_seconds=LOAD_SECONDS):
+        import os
+        self.classes = sorted(os.listdir(root))
+        self.samples = sorted((os.path.join(root, c, f), k) for k, c in enumerate(self.classes)
+                              for f in os.listdir(os.path.join(root, c)))
+        self.imgs, self.load_seconds = self.samples, load_seconds
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        busy(self.load_seconds)
+        path, target = self.samples[i]
+        with open(path, "rb") as f:
+            return torch.frombuffer(bytearray(f.read()), dtype=torch.float32), target
+
+
 @pytest.fixture(scope="module")
 def redis_server():
     """A real redis-server on 127.0.0.1, started for these tests and stopped after them."""

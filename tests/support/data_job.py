@@ -3,7 +3,8 @@
 It builds a DataLoader over one of the datasets of ``data_fixtures`` and saves every batch of
 every epoch to OUT (a torch file), with autopatch's report when it is enabled. The fault tests
 run it unpatched and patched and compare the batches; options make it wait for a signal, kill
-the cache's Redis server mid-epoch, or enable and disable autopatch over and over.
+the cache's Redis server mid-epoch, rewrite a file between epochs, or enable and disable autopatch
+over and over.
 """
 
 import argparse
@@ -31,6 +32,8 @@ ap.add_argument("--load-seconds", type=float, default=data_fixtures.LOAD_SECONDS
 ap.add_argument("--kill-redis", action="store_true", help="kill the cache's Redis server in epoch 2")
 ap.add_argument("--wait-for-signal", action="store_true", help="after epoch 1, say 'ready' and sleep")
 ap.add_argument("--own-handler", action="store_true", help="install a SIGTERM handler that exits with 3")
+ap.add_argument("--root", help="the directory of a file-backed dataset (Files, Folder)")
+ap.add_argument("--rewrite", default="", help="PATH=SOURCE: after epoch 1, PATH is rewritten with SOURCE's bytes")
 args = ap.parse_args()
 
 if args.threads:
@@ -48,7 +51,12 @@ if args.dataset == "Patched":
     kw["base"] = [int(i) for i in args.base.split(",") if i]
 if args.version:
     kw["version"] = args.version
-dataset = getattr(data_fixtures, args.dataset)(args.n, **kw)
+if args.dataset == "Files":
+    dataset = data_fixtures.Files(args.root, args.n, load_seconds=args.load_seconds)
+elif args.dataset == "Folder":
+    dataset = data_fixtures.Folder(args.root, load_seconds=args.load_seconds)
+else:
+    dataset = getattr(data_fixtures, args.dataset)(args.n, **kw)
 loader = DataLoader(dataset, batch_size=4, num_workers=args.workers, shuffle=False)
 epochs = []
 for epoch in range(args.epochs):
@@ -59,6 +67,10 @@ for epoch in range(args.epochs):
             started_server().kill()
         batches.append(batch)
     epochs.append(batches)
+    if args.rewrite and epoch == 0:
+        path, _, source = args.rewrite.partition("=")
+        with open(source, "rb") as f, open(path, "wb") as out:
+            out.write(f.read())
     if args.wait_for_signal and epoch == 0:
         print("ready", flush=True)
         time.sleep(600)
