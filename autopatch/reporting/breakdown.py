@@ -3,7 +3,9 @@
 Each iteration the step timer finishes is split into parts (``PARTS``): waiting for the next
 batch, forward, backward, the optimizer step, waiting on communication (the exposed waits of
 autopatch's gradient sync; DDP's own reducer syncs inside backward, where its time stays), and
-autopatch's own work between steps (the step timer, switching, TensorBoard, the autotuner). Per
+autopatch's own work that it can see: choosing, probing and switching modes inside ``step()``, and
+between steps the step timer and its listeners (TensorBoard, the autotuner). Its hooks' own
+calls (a few per step) are not timed: they stay in the part they ran in. Per
 iteration this adds a few additions and, for the medians, one row in a reservoir of at most
 ``RESERVOIR`` iterations sampled evenly over the run (Algorithm R, with a random generator of its
 own: the program's ``random`` is left alone).
@@ -34,8 +36,8 @@ class Breakdown:
             return
         if not w.seen_forward:
             self.unseen_backward += 1
-        other = max(0.0, w.seconds - w.data - w.forward - w.backward - w.optimizer - w.comm)
-        row = (w.seconds + w.own, w.data, w.forward, w.backward, w.optimizer, w.comm, w.own, other)
+        other = max(0.0, w.seconds - w.data - w.forward - w.backward - w.optimizer - w.comm - w.choosing)
+        row = (w.seconds + w.own, w.data, w.forward, w.backward, w.optimizer, w.comm, w.own + w.choosing, other)
         sums = self._sums
         for i, v in enumerate(row):
             sums[i] += v

@@ -5,7 +5,7 @@ An iteration ends when the *clock optimizer* (the first one to step) steps; a jo
 several optimizers per iteration is timed once per iteration. Each iteration's wall time is split
 into data (waiting in DataLoader iterators' ``__next__``), forward and backward (``phase_clock.py``),
 optimizer (the controllers' own step timings, less what ran inside them: a closure's forward and
-backward), communication wait (when autopatch's bucketed allreduce reports one) and other
+backward, and autopatch choosing, probing and switching modes), communication wait (when autopatch's bucketed allreduce reports one) and other
 (zero_grad, the loss, logging). What the timer and its listeners (switching, TensorBoard, the
 autotuner) take between two iterations is counted apart, as autopatch's own (``own``): it is not
 in the iteration's ``seconds``, which stay the training's alone for the autotuner's scores.
@@ -29,7 +29,8 @@ class Window:
     optimizer: float = 0.0
     comm: float = 0.0
     data: float = 0.0
-    own: float = 0.0
+    choosing: float = 0.0     # inside the steps: autopatch choosing, probing and switching modes
+    own: float = 0.0          # between the steps: the timer and its listeners (not in ``seconds``)
     seen_forward: bool = False
 
     def add(self, other):
@@ -44,10 +45,12 @@ class Window:
             return {}
         ms = lambda s: round(1e3 * s / self.steps, 4)
         out = {"step": ms(self.seconds), "optimizer": ms(self.optimizer)}
-        for part in ("comm", "data", "own"):
+        for part in ("comm", "data"):
             if getattr(self, part):
-                out["autopatch" if part == "own" else part] = ms(getattr(self, part))
-        rest = self.seconds - self.optimizer - self.comm - self.data
+                out[part] = ms(getattr(self, part))
+        if self.own or self.choosing:
+            out["autopatch"] = ms(self.own + self.choosing)
+        rest = self.seconds - self.optimizer - self.comm - self.data - self.choosing
         if self.seen_forward:
             out.update(forward=ms(self.forward), backward=ms(self.backward),
                        other=ms(max(0.0, rest - self.forward - self.backward)))
@@ -78,7 +81,7 @@ class StepTimer:
         self.last = None                # the last iteration's Window
         self._last_tick = None
         self._own = 0.0
-        self._totals_then = (0.0, 0.0, 0.0)   # optimizer, communication, data seconds at the last tick
+        self._totals_then = (0.0, 0.0, 0.0, 0.0)   # optimizer, choosing, communication, data seconds
         self._phases = None
         self._want_breakdown = breakdown
         self._subscriptions = [session.subscribe("step", self._on_step)]
@@ -103,7 +106,8 @@ class StepTimer:
         return 0.0 if comm is None else comm.wait_seconds, 0.0 if data is None else data.seconds
 
     def _totals(self):
-        return (sum(o.step_seconds for o in self.session.optimizers), *self._waits())
+        optimizers = self.session.optimizers
+        return (sum(o.step_seconds for o in optimizers), sum(o.choosing_seconds for o in optimizers), *self._waits())
 
     def _step_begins(self, ctrl):
         self._phases.step_begins()
@@ -121,12 +125,12 @@ class StepTimer:
             return
         now = time.perf_counter()
         totals = self._totals()
-        optimizer, comm, data = (total - then for total, then in zip(totals, self._totals_then))
+        optimizer, choosing, comm, data = (total - then for total, then in zip(totals, self._totals_then))
         phases = (0.0, 0.0, 0.0, 0) if self._phases is None else self._phases.take()
         if self._last_tick is not None:
             forward, backward, in_steps, backwards = phases
-            w = Window(steps=1, seconds=now - self._last_tick, optimizer=max(0.0, optimizer - in_steps),
-                       comm=comm, data=data, own=self._own)
+            w = Window(steps=1, seconds=now - self._last_tick, optimizer=max(0.0, optimizer - choosing - in_steps),
+                       comm=comm, data=data, choosing=choosing, own=self._own)
             if backwards:
                 w.seen_forward = True
                 w.forward, w.backward = forward, backward

@@ -29,9 +29,9 @@ def advise(report):
         if o["mode"] in FUSED and not ruled_out:
             continue      # fused, and nothing kept it from the other modes: nothing to say
         why = "; ".join(f"{m}: {r}" for m, r in ruled_out.items()) or o["reason"]
-        running = "runs unfused" if o["mode"] not in FUSED else f"runs {o['mode']}"
+        running = f"runs unfused (mode {o['mode']})" if o["mode"] not in FUSED else f"runs {o['mode']}"
         text = (f"the optimizer step is {share_of_step(report, 'optimizer')} over {o['params']} tensors, and "
-                f"{o['class']} {running} (mode {o['mode']}); ruled out: {why}")
+                f"{o['class']} {running}; ruled out: {why}")
         ways = _ways([why])
         if ways:
             text += f"; to allow it: {'; '.join(ways)}"
