@@ -87,17 +87,26 @@ def test_a_run_where_nothing_stands_out_gives_no_advice(ap, one_thread):
     assert "advice" not in summary(report)
 
 
-def test_breakdown_switched_off_measures_nothing(ap):
-    ap.enable(logging={"breakdown": False})
+def test_breakdown_switched_off_measures_nothing_and_disable_restores_backward(ap):
+    original = torch.autograd.backward
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for _ in range(3):
-        model(torch.ones(1, 4)).sum().backward()
-        opt.step()
+
+    def train():
+        for _ in range(3):
+            model(torch.ones(1, 4)).sum().backward()
+            opt.step()
+    ap.enable(logging={"breakdown": False})
+    train()
     report = ap.report()
     assert "breakdown" not in report and "advice" not in report
-    assert torch.autograd.backward is torch.autograd.backward.__wrapped__ if hasattr(
-        torch.autograd.backward, "__wrapped__") else True
+    assert torch.autograd.backward is original
+    ap.disable()
+    ap.enable()
+    train()
+    assert torch.autograd.backward is not original and ap.report()["breakdown"]["steps"] == 2
+    ap.disable()
+    assert torch.autograd.backward is original
 
 
 DDP_SCRIPT = """

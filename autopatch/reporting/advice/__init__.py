@@ -6,9 +6,9 @@ entries, ``{"about": part, "advice": text}``, or none when its part does not sta
 (``thresholds.py`` says when a part does). Nothing here measures or changes anything.
 """
 
-from . import data_wait, exposed_comm, gradient_memory, optimizer_fusion
+from . import data_wait, exposed_comm, gradient_memory, optimizer_fusion, own_work
 
-IDEAS = (data_wait, exposed_comm, optimizer_fusion, gradient_memory)
+IDEAS = (data_wait, exposed_comm, optimizer_fusion, gradient_memory, own_work)
 
 
 def advise(report):
