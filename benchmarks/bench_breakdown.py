@@ -7,7 +7,13 @@ Two workloads, each training step timed whole (batch, forward, backward, step):
 - ``quick start``: ``examples/train_mlp.py``'s model and loop (48 residual blocks of width 64, 196
   tensors, AdamW and a cosine schedule, batch 32 sliced from tensors);
 - ``many small``: 100 residual blocks of width 64 (400 tensors, ``harness.workloads.many_small``)
-  with Adam, fed by a real DataLoader (batch 32, no workers), so the ``__next__`` seam is timed too.
+  with Adam, fed by a real DataLoader (batch 32, no workers), so the ``__next__`` seam is timed too;
+- ``tiny``: one Linear(16, 16) with SGD fed by a DataLoader (batch 8), ten times the steps: the
+  breakdown's work per step does not grow with the model (one module call hooked, one backward
+  call, the step's events, one DataLoader batch), and on a step this short it is large enough to
+  be resolved on a shared machine: its difference, in microseconds (fastest step against fastest
+  step, which other jobs' load disturbs least), over the other workloads' steps is their cost where
+  the noise hides it.
 
 Both contenders run the same fusion mode (``--mode``, multi_layer by default, so that auto's
 choice cannot differ between them), each in a process of its own (the breakdown's hooks are
@@ -16,7 +22,7 @@ in thread CPU time (one torch thread and no loader workers: all the step's work 
 and other jobs' load on a shared machine weighs less on it) and in wall time; the median over
 rounds, and the quartiles.
 
-    python benchmarks/bench_breakdown.py                 # about 4 minutes
+    python benchmarks/bench_breakdown.py                 # about 5 minutes on a quiet machine
 """
 
 import argparse
@@ -40,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import train_mlp  # noqa: E402  (the quick start's own model and data)
 
 CONTENDERS = ("breakdown", "no breakdown")
-WORKLOADS = ("quick start", "many small")
+WORKLOADS = ("quick start", "many small", "tiny")
 
 
 class Job:
@@ -55,11 +61,13 @@ class Job:
             self.x, self.y = train_mlp.make_task(64, 4096)
             self.batches = None
         else:
-            self.model, (x, _), _ = many_small()
-            self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+            tiny = workload == "tiny"
+            self.model = nn.Linear(16, 16) if tiny else many_small()[0]
+            width = 16 if tiny else 64
+            self.opt = (torch.optim.SGD if tiny else torch.optim.Adam)(self.model.parameters(), lr=1e-4)
             self.sched = None
-            data = torch.utils.data.TensorDataset(torch.randn(4096, x.shape[1]), torch.randint(0, 64, (4096,)))
-            self.loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True)
+            data = torch.utils.data.TensorDataset(torch.randn(4096, width), torch.randint(0, width, (4096,)))
+            self.loader = torch.utils.data.DataLoader(data, batch_size=8 if tiny else 32, shuffle=True)
             self.batches = iter(self.loader)
         self.i = 0
         self.run(args.warmup)
@@ -102,7 +110,7 @@ def measure(workload, args):
     workers = {name: Worker(ctx, serve, Job, name, workload, args, timeout=600) for name in CONTENDERS}
     for w in workers.values():
         w.answer()
-    rounds = in_turns(workers, args.rounds, "run", args.steps)
+    rounds = in_turns(workers, args.rounds, "run", args.steps * (10 if workload == "tiny" else 1))
     info = {name: w.ask("finish") for name, w in workers.items()}
     for w in workers.values():
         w.close()
@@ -115,6 +123,9 @@ def measure(workload, args):
         ratios = [statistics.median(s[k] for s in a) / statistics.median(s[k] for s in b) for a, b in zip(on, off)]
         lo, hi = quartiles(ratios)
         row.append(f"{100 * (statistics.median(ratios) - 1):+.2f}% ({100 * (lo - 1):+.2f}% .. {100 * (hi - 1):+.2f}%)")
+    added = [statistics.median(s[0] for s in a) - statistics.median(s[0] for s in b) for a, b in zip(on, off)]
+    fastest = min(s[0] for r in on for s in r) - min(s[0] for r in off for s in r)
+    row += [f"{1e6 * statistics.median(added):+.1f}", f"{1e6 * fastest:+.1f}"]
     return row
 
 
@@ -132,7 +143,13 @@ def main():
     print(f"mode {args.mode}, 1 torch thread; {args.rounds} rounds x {args.steps} steps per contender, "
           f"after {args.warmup} warm-up steps\n")
     print(markdown(["workload", "step CPU ms without (median)", "breakdown's cost, thread CPU (median of rounds, quartiles)",
-                    "breakdown's cost, wall"], rows))
+                    "breakdown's cost, wall", "added thread CPU us per step (median of rounds)",
+                    "added us, fastest step against fastest"], rows))
+    if "tiny" in (args.workload or WORKLOADS):
+        us = float(rows[-1][-1])
+        for row in rows[:-1]:
+            print(f"\nthe tiny step's added {us:+.1f} us over {row[0]}'s {row[1]} ms step: "
+                  f"{100 * us / (1e3 * float(row[1])):+.2f}%")
 
 
 if __name__ == "__main__":
