@@ -13,6 +13,7 @@ CHUNK_BYTES = "FUSEDOPT_CHUNK_BYTES"  # overrides fusion.chunk_bytes
 EXACT = "FUSEDOPT_EXACT"          # overrides fusion.exact: bitwise or rounding
 LOGDIR = "FUSEDOPT_LOGDIR"        # overrides logging.tensorboard_dir
 REPORT = "FUSEDOPT_REPORT"        # overrides logging.report: JSON report path, "{rank}" expanded
+BREAKDOWN = "FUSEDOPT_BREAKDOWN"  # overrides logging.breakdown: 0 measures no per-step breakdown
 AUTOTUNE = "FUSEDOPT_AUTOTUNE"    # overrides autotune.enabled
 AUTOTUNE_RESUME = "FUSEDOPT_AUTOTUNE_RESUME"  # overrides autotune.resume
 # The forms of Bagua's autotune flags that `autopatch run` passes on to every process it starts:
@@ -38,6 +39,7 @@ OVERRIDES = {
     EXACT: "fusion.exact",
     LOGDIR: "logging.tensorboard_dir",
     REPORT: "logging.report",
+    BREAKDOWN: "logging.breakdown",
     AUTOTUNE: "autotune.enabled",
     AUTOTUNE_RESUME: "autotune.resume",
     AUTOTUNE_MAX_SAMPLES: "autotune.max_samples",
@@ -48,7 +50,7 @@ OVERRIDES = {
     DATA_CACHE: "data.cache",
     DATA_BALANCE: "data.load_balance",
 }
-_STRIPPED = {MODE, CHUNK_BYTES, EXACT, AUTOTUNE, AUTOTUNE_MAX_SAMPLES, AUTOTUNE_TRIAL_SECONDS, AUTOTUNE_WARMUP_SECONDS,
+_STRIPPED = {MODE, CHUNK_BYTES, EXACT, BREAKDOWN, AUTOTUNE, AUTOTUNE_MAX_SAMPLES, AUTOTUNE_TRIAL_SECONDS, AUTOTUNE_WARMUP_SECONDS,
              ALGORITHM, DATA_CACHE, DATA_BALANCE}
 
 

@@ -7,6 +7,7 @@ effect. The controller only passes decisions from the chooser to the active mode
 (``set_mode``, ``set_chunk_bytes``), the report entry.
 """
 
+import time
 import weakref
 
 from ..vocabulary import BACKWARD, OFF, WATCHED_MODES
@@ -36,6 +37,7 @@ class OptimizerController:
         self.comm = comm
         self.override = None          # the StepOverride of the step under way
         self.overridden = {}          # who took steps over -> how many
+        self.choosing_seconds = 0.0   # inside step(): choosing, probing, switching (autopatch's own work)
         self.params = self._count_params(opt)
         self.step_mode = OFF          # the mode that ran the last step (a switch may follow it)
         self.eligibility = Eligibility(self.qualname, policy.fusion, comm)
@@ -157,8 +159,10 @@ class OptimizerController:
     def step_begins(self, opt, closure):
         self.comm.before_step(opt)
         self.events.emit("step_begins", self)
+        t0 = time.perf_counter()
         with guard.fallback(self.active, opt, "choosing the mode"):
             self._apply(opt, self.chooser.step_begins(opt, closure, self.steps, self.mode))
+        self.choosing_seconds += time.perf_counter() - t0
         self.step_mode = self.mode
         if self.active.strategy is not None:
             return self.active.before_step(opt, closure)
@@ -180,8 +184,10 @@ class OptimizerController:
             unsafe, differs = self.active.after_step(opt)
             if unsafe:
                 self._apply(opt, self.chooser.incident((BACKWARD,), unsafe, self.steps, self.mode, differs))
+        t0 = time.perf_counter()
         with guard.fallback(self.active, opt, "choosing the mode"):
             self._apply(opt, self.chooser.step_ends(opt, self.steps, self.mode))
+        self.choosing_seconds += time.perf_counter() - t0
 
     def step_counted(self, opt):
         self.comm.after_step(opt)

@@ -11,12 +11,13 @@ REPORT_VERSION = 1
 
 def build_report(session, enabled):
     """``session``: the one open (or last open); per optimizer, the mode that ran and why, the
-    run's timing, and every section the rooms added (allreduce, autotune, ...)."""
+    run's timing, every section the rooms added (allreduce, autotune, breakdown, ...), and with
+    a breakdown the advice it backs (reporting/advice/)."""
     if session is None:
         return {"version": REPORT_VERSION, "enabled": False, "policy": None, "optimizers": [],
                 "timing": {}}
     optimizers = [o.describe() for o in session.optimizers]
-    return {
+    report = {
         "version": REPORT_VERSION,
         "enabled": enabled,
         "policy": session.policy.source,
@@ -29,6 +30,10 @@ def build_report(session, enabled):
         },
         **session.report_sections(),
     }
+    if "breakdown" in report:
+        from .advice import advise
+        report["advice"] = advise(report)
+    return report
 
 
 def report_path(template):

@@ -1,16 +1,18 @@
-"""Training iterations timed on the step clock, for TensorBoard and the autotuner.
+"""Training iterations timed on the step clock, for the report's breakdown, TensorBoard and the
+autotuner.
 
 An iteration ends when the *clock optimizer* (the first one to step) steps; a job that steps
 several optimizers per iteration is timed once per iteration. Each iteration's wall time is split
-into forward (first to last module forward), optimizer (the controllers' own step timings),
-communication wait (when the bucketed allreduce reports one), backward (the rest between the last
-forward and the end of the step, loss included) and other (data loading, logging, zero_grad).
-Forward is seen through torch's global module hooks, installed only when a breakdown is wanted.
-The timer listens to the session's ``step`` event; its own listeners (the TensorBoard writer, the
-autotuner) hear of each finished iteration.
+into data (waiting in DataLoader iterators' ``__next__``), forward and backward (``phase_clock.py``),
+optimizer (the controllers' own step timings, less what ran inside them: a closure's forward and
+backward, and autopatch choosing, probing and switching modes), communication wait (when autopatch's bucketed allreduce reports one) and other
+(zero_grad, the loss, logging). What the timer and its listeners (switching, TensorBoard, the
+autotuner) take between two iterations is counted apart, as autopatch's own (``own``): it is not
+in the iteration's ``seconds``, which stay the training's alone for the autotuner's scores.
+Forward and backward are seen only when a breakdown is wanted. The timer listens to the session's
+``step`` event; its own listeners hear of each finished iteration, ``last`` holding it.
 """
 
-import sys
 import time
 from dataclasses import dataclass, fields
 
@@ -26,6 +28,9 @@ class Window:
     backward: float = 0.0
     optimizer: float = 0.0
     comm: float = 0.0
+    data: float = 0.0
+    choosing: float = 0.0     # inside the steps: autopatch choosing, probing and switching modes
+    own: float = 0.0          # between the steps: the timer and its listeners (not in ``seconds``)
     seen_forward: bool = False
 
     def add(self, other):
@@ -40,13 +45,17 @@ class Window:
             return {}
         ms = lambda s: round(1e3 * s / self.steps, 4)
         out = {"step": ms(self.seconds), "optimizer": ms(self.optimizer)}
-        if self.comm:
-            out["comm"] = ms(self.comm)
+        for part in ("comm", "data"):
+            if getattr(self, part):
+                out[part] = ms(getattr(self, part))
+        if self.own or self.choosing:
+            out["autopatch"] = ms(self.own + self.choosing)
+        rest = self.seconds - self.optimizer - self.comm - self.data - self.choosing
         if self.seen_forward:
             out.update(forward=ms(self.forward), backward=ms(self.backward),
-                       other=ms(max(0.0, self.seconds - self.forward - self.backward - self.optimizer - self.comm)))
+                       other=ms(max(0.0, rest - self.forward - self.backward)))
         else:
-            out["compute"] = ms(max(0.0, self.seconds - self.optimizer - self.comm))
+            out["compute"] = ms(max(0.0, rest))
         return out
 
 
@@ -69,13 +78,13 @@ class StepTimer:
         self._listeners = Listeners()   # fn(timer), called after each iteration
         self.listener_seconds = 0.0
         self._accumulators = []
+        self.last = None                # the last iteration's Window
         self._last_tick = None
-        self._optimizer_total = 0.0
-        self._comm_total = 0.0
-        self._fwd_start = self._fwd_end = None
-        self._hooks = []
+        self._own = 0.0
+        self._totals_then = (0.0, 0.0, 0.0, 0.0)   # optimizer, choosing, communication, data seconds
+        self._phases = None
         self._want_breakdown = breakdown
-        self._subscription = session.subscribe("step", self._on_step)
+        self._subscriptions = [session.subscribe("step", self._on_step)]
 
     @property
     def clock_mode(self):
@@ -91,49 +100,53 @@ class StepTimer:
         self._accumulators.append(acc)
         return acc
 
-    def _forward_pre(self, module, args):
-        if self._fwd_start is None:
-            self._fwd_start = time.perf_counter()
-
-    def _forward_post(self, module, args, output):
-        self._fwd_end = time.perf_counter()
+    def _waits(self):
+        """Running totals: (communication wait, data wait) seconds."""
+        comm, data = self.session.allreduce, self.session.data_waits
+        return 0.0 if comm is None else comm.wait_seconds, 0.0 if data is None else data.seconds
 
     def _totals(self):
-        optimizer = sum(o.step_seconds for o in self.session.optimizers)
-        comm = self.session.allreduce
-        return optimizer, 0.0 if comm is None else comm.wait_seconds
+        optimizers = self.session.optimizers
+        return (sum(o.step_seconds for o in optimizers), sum(o.choosing_seconds for o in optimizers), *self._waits())
+
+    def _step_begins(self, ctrl):
+        self._phases.step_begins()
 
     def _on_step(self, ctrl):
+        if self._phases is not None:
+            self._phases.step_ends()
         if self.clock is None:
             self.clock = ctrl
             if self._want_breakdown:   # torch is surely imported now; it may not be at enable()
-                modules = sys.modules["torch.nn.modules.module"]
-                self._hooks = [modules.register_module_forward_pre_hook(self._forward_pre),
-                               modules.register_module_forward_hook(self._forward_post)]
+                from .phase_clock import PhaseClock
+                self._phases = PhaseClock(self._waits)
+                self._subscriptions.append(self.session.subscribe("step_begins", self._step_begins))
         if ctrl is not self.clock:
             return
         now = time.perf_counter()
-        optimizer, comm = self._totals()
+        totals = self._totals()
+        optimizer, choosing, comm, data = (total - then for total, then in zip(totals, self._totals_then))
+        phases = (0.0, 0.0, 0.0, 0) if self._phases is None else self._phases.take()
         if self._last_tick is not None:
-            w = Window(steps=1, seconds=now - self._last_tick, optimizer=optimizer - self._optimizer_total,
-                       comm=comm - self._comm_total)
-            if self._fwd_start is not None and self._fwd_end is not None and self._fwd_start >= self._last_tick:
+            forward, backward, in_steps, backwards = phases
+            w = Window(steps=1, seconds=now - self._last_tick, optimizer=max(0.0, optimizer - choosing - in_steps),
+                       comm=comm, data=data, choosing=choosing, own=self._own)
+            if backwards:
                 w.seen_forward = True
-                w.forward = self._fwd_end - self._fwd_start
-                w.backward = max(0.0, now - self._fwd_end - w.optimizer - w.comm)
+                w.forward, w.backward = forward, backward
+            self.last = w
             for acc in self._accumulators:
                 acc.window.add(w)
-        self._optimizer_total, self._comm_total = optimizer, comm
-        self._fwd_start = self._fwd_end = None
         self.iteration += 1
         self._listeners(self)
         # Time spent by the listeners (switching, logging) is the tuner's cost, not the next step's.
         self._last_tick = time.perf_counter()
-        self.listener_seconds += self._last_tick - now
-        self._optimizer_total, self._comm_total = self._totals()
+        self._own = self._last_tick - now
+        self.listener_seconds += self._own
+        self._totals_then = self._totals()
 
     def close(self):
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self._subscription.remove()
+        if self._phases is not None:
+            self._phases.close()
+        for subscription in self._subscriptions:
+            subscription.remove()

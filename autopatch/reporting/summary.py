@@ -28,10 +28,25 @@ def summary(report):
                                              f"ranks (leaders {', '.join(map(str, topology['leaders']))})")
         lines.append(f"  communication: {algorithm['name']} ({settings}){nodes}: {algorithm['bytes_sent_per_step']} "
                      f"bytes sent per step, {algorithm['wait_seconds']:.3f} s waiting{extra}")
+    lines += _breakdown_lines(report)
     not_written = _not_written(report)
     if not_written:
         lines.append("  not written (training went on): " + "; ".join(not_written))
     return "\n".join(lines)
+
+
+NAMES = {"data": "data wait", "comm": "communication wait"}
+
+
+def _breakdown_lines(report):
+    """Where this process's step time went, and the advice those figures back."""
+    b = report.get("breakdown") or {}
+    if not b.get("steps"):
+        return []
+    shares = ", ".join(f"{NAMES.get(p, p)} {100 * s:.0f}%" for p, s in b["share"].items() if s)
+    return ([f"  step time (rank {report.get('rank', 0)}, median step {b['median_step_ms']:.3f} ms over "
+             f"{b['steps']} steps): {shares}"]
+            + [f"  advice ({a['about']}): {a['advice']}" for a in report.get("advice", [])])
 
 
 def _not_written(report):

@@ -1,7 +1,8 @@
 """TensorBoard output, written by rank 0 only.
 
-- scalars under ``autopatch/`` in the log dir itself: step, forward, backward, optimizer and
-  communication-wait times (ms per iteration), throughput, and the current autotune trial;
+- scalars under ``autopatch/`` in the log dir itself: step, data-wait, forward, backward,
+  optimizer, communication-wait and autopatch's own times (ms per iteration), throughput, and the
+  current autotune trial;
 - one HParams session per autotune trial (its own ``trial-NNN`` run: the knobs as hparams, the
   score as metric), through ``tensorboard.plugins.hparams.summary_v2``, which needs no TensorFlow;
 - ``autopatch.jsonl``: the same facts as plain records (window, space, trial, frozen, and ``auto``:
@@ -30,7 +31,7 @@ SCALAR_PERIOD = 0.5     # seconds of training summarised by one scalar point
 SCORE_TAG = "autopatch/score"
 _TAGS = {"step": "step_time_ms", "forward": "forward_time_ms", "backward": "backward_time_ms",
          "optimizer": "optimizer_time_ms", "comm": "comm_wait_ms", "other": "other_time_ms",
-         "compute": "compute_time_ms"}
+         "compute": "compute_time_ms", "data": "data_wait_ms", "autopatch": "autopatch_time_ms"}
 
 
 def _guarded(method):

@@ -1,14 +1,19 @@
-"""What watches the training iterations, built only when the policy asks: the step timer, the
-TensorBoard writer (rank 0) and the autotuner. ``attach`` returns the function that takes them down."""
+"""What watches the training iterations, built only when the policy asks: the step timer (for the
+report's breakdown, on by default), the TensorBoard writer (rank 0) and the autotuner. ``attach``
+returns the function that takes them down."""
 
 
 def attach(session):
     policy = session.policy
     logdir = policy.logging.tensorboard_dir
-    if not (policy.autotune.enabled or logdir):
+    breakdown = policy.logging.breakdown
+    if not (policy.autotune.enabled or logdir or breakdown):
         return lambda: None
     from ..reporting.step_timer import StepTimer
-    timer = StepTimer(session, breakdown=bool(logdir))
+    timer = StepTimer(session, breakdown=breakdown or bool(logdir))
+    if breakdown:
+        from ..reporting.breakdown import Breakdown
+        session.add_report_section("breakdown", Breakdown(timer, session).describe)
     board = None
     if logdir:
         from ..reporting.tensorboard import Board

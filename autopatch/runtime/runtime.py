@@ -36,6 +36,7 @@ class Runtime:
         self.comm_view = CommView()   # what every optimizer's controller asks of comm/
         self.gradient_sync = None     # the session's handle on the takeover
         self.data = None   # the data side's patches (data/), when the policy asks for them
+        self.loader_waits = None   # the time spent waiting for batches (data/), for the breakdown
         self._optimizers_patched = False
         self._by_id = {}
         self._live = weakref.WeakSet()    # the adopted optimizers still alive
@@ -53,7 +54,16 @@ class Runtime:
         self._when_imported("torch.optim", self._patch_torch)
         if self.policy.allreduce.enabled is not False:
             self._when_imported("torch.nn.parallel.distributed", self._take_over_ddp)
+        if self.policy.logging.breakdown:
+            self._when_imported("torch.utils.data", self._time_batches)
         self._serve_data()
+
+    def _time_batches(self, module):
+        """Every DataLoader iterator's ``__next__`` timed, for the report's breakdown."""
+        if self.loader_waits is None:
+            from ..data.loader_waits import LoaderWaits
+            self.loader_waits = LoaderWaits()
+            self.loader_waits.install(self.ledger)
 
     def _serve_data(self):
         """The data side (data/), when the policy asks: every DataLoader's map-style dataset

@@ -44,6 +44,12 @@ class Session:
         return self.runtime.data is not None and self.runtime.data.served
 
     @property
+    def data_waits(self):
+        """The time spent waiting for batches so far (data/loader_waits.py: ``seconds``,
+        ``describe()``), or None before ``torch.utils.data`` is imported or with no breakdown."""
+        return self.runtime.loader_waits
+
+    @property
     def allreduce(self):
         """The gradient sync's handle (comm/sync_handle.py: its knobs and setters, a model's
         algorithm), or None when DistributedDataParallel was never imported."""

@@ -1,5 +1,5 @@
 """The autopatch tab in TensorBoard: what mode auto measured and chose, autotune trials, the
-frozen config and per-mode step times.
+frozen config, per-mode step times, and where each step's time went over the run.
 
 It reads only the ``autopatch.jsonl`` records autopatch writes next to its event files (one per
 run directory), so it needs neither TensorFlow nor event parsing, and the page is one
@@ -19,7 +19,8 @@ from werkzeug import wrappers
 JSONL = "autopatch.jsonl"
 STATIC = Path(__file__).resolve().parent / "static"
 MAX_DEPTH = 3          # how deep below the log dir runs are looked for
-PARTS = ("forward", "backward", "optimizer", "comm", "other", "compute")
+PARTS = ("data", "forward", "backward", "optimizer", "comm", "autopatch", "other", "compute")
+TIMELINE_POINTS = 240  # windows shown over time; a longer run is thinned evenly
 AUTO_KEYS = ("optimizer", "step", "chosen", "candidates", "ruled_out", "ms_per_step", "ratio_vs_off",
              "speedup_vs_off", "rounds", "window_steps", "clock", "measure_steps", "measure_seconds",
              "measure_steps_limit", "measurements", "why", "ran", "dropped", "noise", "decided_at_step")
@@ -67,6 +68,11 @@ def summarize(records):
                  for p in PARTS if any(p in w["breakdown_ms"] for w in windows)}
         breakdown[mode] = {"parts_ms": parts, "steps": sum(w["steps"] for w in windows),
                            "step_ms": statistics.median(w["breakdown_ms"]["step"] for w in windows)}
+    windows = [r for r in records if r.get("kind") == "window"]
+    stride = -(-len(windows) // TIMELINE_POINTS) or 1
+    timeline = [{"iteration": w["iteration"], "mode": w.get("mode"),
+                 "parts_ms": {p: w["breakdown_ms"][p] for p in PARTS if p in w["breakdown_ms"]}}
+                for w in windows[::stride]]
     scored = [t for t in trials if t.get("score") is not None]     # a failed trial has no score
     best = max(scored, key=lambda t: t["score"]) if scored else None
     auto = [{k: r.get(k) for k in AUTO_KEYS} for r in records if r.get("kind") == "auto"]
@@ -76,7 +82,7 @@ def summarize(records):
                                              "breakdown_ms", "failed")}
                       for t in trials],
            "best_trial": best["trial"] if best else None,
-           "frozen": frozen, "breakdown": breakdown, "auto": auto}
+           "frozen": frozen, "breakdown": breakdown, "timeline": timeline, "auto": auto}
     if frozen is None and trials:
         out["message"] = f"Search in progress: {len(trials)} trial(s) so far, no config frozen yet."
     elif frozen is None:

@@ -58,7 +58,8 @@ def test_scalars_and_hparams_sessions_read_back(logdir):
     main = EventAccumulator(str(logs)).Reload()
     tags = set(main.Tags()["scalars"])
     assert {"autopatch/step_time_ms", "autopatch/optimizer_time_ms", "autopatch/forward_time_ms",
-            "autopatch/backward_time_ms", "autopatch/throughput", "autopatch/trial"} <= tags
+            "autopatch/backward_time_ms", "autopatch/data_wait_ms", "autopatch/autopatch_time_ms",
+            "autopatch/throughput", "autopatch/trial"} <= tags
     assert "_hparams_/experiment" in main.Tags()["tensors"]
     assert report["unit"] == "samples/s"          # the example's DataLoader gave the batch size
 
@@ -127,6 +128,10 @@ def test_plugin_routes_serve_the_run(server):
     assert run["frozen"]["config"] == report["best"]["config"]
     assert run["best_trial"] == report["best"]["trial"]
     assert set(run["breakdown"]) >= {t["modes"][0] for t in report["trials"]}
+    # where the steps went, window by window, and each trial's breakdown beside its score
+    assert run["timeline"] and all({"forward", "backward", "optimizer", "data"} <= set(w["parts_ms"])
+                                   for w in run["timeline"])
+    assert all("data" in t["breakdown_ms"] for t in run["trials"] if t["score"] is not None)
     assert run["auto"] == []              # autotune chose the mode there: auto did not measure
     [measured] = json.loads(get(f"{base}/data/plugin/autopatch/run?run=auto")[2])["auto"]
     assert measured["chosen"] == auto["chosen"] and measured["ms_per_step"] == auto["ms_per_step"]
@@ -218,6 +223,8 @@ def test_dashboard_tab_in_headless_chromium(server, tmp_path):
         assert by_time == by_score
         assert "so that load from other jobs cancels out" in driver.find_element(By.ID, "trials-note").text
         assert driver.find_elements(By.CSS_SELECTOR, "#breakdown rect")
+        assert driver.find_elements(By.CSS_SELECTOR, "#timeline rect")
+        assert "fwd " in driver.find_element(By.CSS_SELECTOR, "#trials tbody tr").text
         Select(driver.find_element(By.ID, "run-select")).select_by_value("auto")
         wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "#auto table tbody tr")))
         modes = [r.text.split()[0] for r in driver.find_elements(By.CSS_SELECTOR, "#auto tbody tr")]

@@ -1,5 +1,6 @@
 // The autopatch tab: what mode auto measured and chose, autotune trials (sortable), score by trial
-// with the best marked, the frozen config, and the per-step time breakdown for each fusion mode.
+// with the best marked, the frozen config, the per-step time breakdown for each fusion mode, and
+// where each step's time went over the run (stacked, window by window).
 // Self-contained: no network.
 
 const CSS = `
@@ -19,8 +20,12 @@ const CSS = `
   .swatch { display: inline-block; width: 10px; height: 10px; margin-right: 4px; }
   svg text { font-size: 11px; fill: #424242; }
 `;
-const COLORS = { forward: "#42a5f5", backward: "#7e57c2", optimizer: "#ef6c00", comm: "#26a69a",
-                 other: "#bdbdbd", compute: "#5c6bc0" };
+const COLORS = { data: "#8d6e63", forward: "#42a5f5", backward: "#7e57c2", optimizer: "#ef6c00", comm: "#26a69a",
+                 autopatch: "#ec407a", other: "#bdbdbd", compute: "#5c6bc0" };
+const SHORT = { data: "data", forward: "fwd", backward: "bwd", optimizer: "opt", comm: "comm", autopatch: "ap",
+                other: "other", compute: "compute" };
+const breakdownText = (b) => b ? Object.entries(b).filter(([p]) => p !== "step")
+  .map(([p, ms]) => `${SHORT[p] || p} ${fmt(ms)}`).join(" \u00b7 ") : "";
 
 function el(tag, attrs = {}, ...children) {
   const e = document.createElement(tag);
@@ -119,9 +124,9 @@ function scoreChart(data) {
 }
 
 function trialsTable(data) {
-  const cols = ["trial", ...data.knobs, "score", "train_iter", "step ms"];
+  const cols = ["trial", ...data.knobs, "score", "train_iter", "step ms", "breakdown ms"];
   const value = (t, c) => c === "step ms" ? t.step_ms : c === "score" && t.failed ? "failed"
-    : c in t ? t[c] : t.config[c];
+    : c === "breakdown ms" ? breakdownText(t.breakdown_ms) : c in t ? t[c] : t.config[c];
   const table = el("table", { id: "trials" });
   const head = el("tr");
   const body = el("tbody");
@@ -177,10 +182,42 @@ function breakdownChart(data) {
     total.textContent = `${fmt(b.step_ms)} ms/step`;
     s.append(total);
   });
-  const parts = [...new Set(modes.flatMap(([, b]) => Object.keys(b.parts_ms)))];
-  const legend = el("div", { class: "legend" }, ...parts.map((p) =>
+  box.append(s, legend([...new Set(modes.flatMap(([, b]) => Object.keys(b.parts_ms)))]));
+  return box;
+}
+
+function legend(parts) {
+  return el("div", { class: "legend" }, ...parts.map((p) =>
     el("span", {}, el("span", { class: "swatch", style: `background:${COLORS[p] || "#9e9e9e"}` }), p)));
-  box.append(s, legend);
+}
+
+function timelineChart(data) {
+  const points = data.timeline;
+  const W = 760, H = 220, left = 50, bottom = 20;
+  const total = (p) => Object.values(p.parts_ms).reduce((a, b) => a + b, 0);
+  const max = Math.max(...points.map(total)) || 1;
+  const bar = (W - left) / points.length;
+  const box = el("div", { id: "timeline" });
+  const s = svg("svg", { width: W, height: H });
+  points.forEach((p, i) => {
+    let y = H - bottom;
+    for (const [part, ms] of Object.entries(p.parts_ms)) {
+      const h = (ms / max) * (H - bottom - 10);
+      y -= h;
+      const r = svg("rect", { x: left + i * bar, y, width: Math.max(1, bar - 1), height: Math.max(0, h),
+                              fill: COLORS[part] || "#9e9e9e" });
+      const tip = svg("title");
+      tip.textContent = `iteration ${p.iteration}${p.mode ? ` (${p.mode})` : ""}: ${part} ${fmt(ms)} ms`;
+      r.append(tip);
+      s.append(r);
+    }
+  });
+  const axis = svg("text", { x: 0, y: 12 });
+  axis.textContent = `${fmt(max)} ms`;
+  const end = svg("text", { x: W - 4, y: H - 4, "text-anchor": "end" });
+  end.textContent = `iteration ${points[points.length - 1].iteration}`;
+  s.append(axis, end);
+  box.append(s, legend([...new Set(points.flatMap((p) => Object.keys(p.parts_ms)))]));
   return box;
 }
 
@@ -198,7 +235,12 @@ async function showRun(root, run) {
       "score: the median throughput of the trial's windows. From trial 1 on, those windows alternate " +
       "with the best config so far, and the score is scaled by how that config ran alongside against " +
       "its own score, so that load from other jobs cancels out and scores compare across trials. " +
-      "step ms: the time per step that score stands for, corrected alike."));
+      "step ms: the time per step that score stands for, corrected alike. breakdown ms: where the " +
+      "trial's steps went, as measured (data wait, forward, backward, optimizer, communication wait, " +
+      "autopatch's own work, other)."));
+  }
+  if (data.timeline.length) {
+    parts.push(el("h2", {}, "Where each step's time went (ms per step, window by window)"), timelineChart(data));
   }
   if (Object.keys(data.breakdown).length) {
     parts.push(el("h2", {}, "Time per step by mode (median ms)"), breakdownChart(data));
