@@ -10,8 +10,10 @@ dropped for that model, which keeps the gradient allreduce, and ``on_drop(model,
 says so. ``step_of(opt)`` is the algorithm that takes the optimizer's step over, if any.
 
 Nothing here imports the algorithms: the takeover is built while torch itself is being imported.
-An optimizer stepped over flat chunks (``autopatch.contrib.fuse_optimizer``) updates a model's
-parameters through views of the same memory: those steps count as steps over the model.
+An optimizer stepped over flat chunks (``autopatch.contrib.fuse_optimizer``, the runtime's fused
+modes) updates a model's parameters through views of the same memory: those steps count as steps
+over the model, and the algorithm is asked about the parameters the chunks stand for
+(``stands_for``, which the fusion side answers; the runtime passes it in), not the chunks.
 """
 
 import weakref
@@ -20,7 +22,8 @@ import torch
 
 
 class ModelAlgorithms:
-    def __init__(self, on_drop):
+    def __init__(self, on_drop, stands_for=None):
+        self.stands_for = stands_for or _itself        # a stepped tensor -> the parameters it updates
         self.by_model = weakref.WeakKeyDictionary()    # DDP model -> its Algorithm
         self.on_drop = on_drop
         self._fitting = weakref.WeakKeyDictionary()    # optimizer -> ids of the algorithms it fits
@@ -62,17 +65,17 @@ class ModelAlgorithms:
         known = self._stepping.get(opt)
         if known is not None and known[0] == key:
             return known[1]
-        tensors = [p for g in opt.param_groups for p in g["params"]]
+        stepped = [p for g in opt.param_groups for t in g["params"] for p in self.stands_for(t)]
         found = [alg for model, alg in list(self.by_model.items())
-                 if _updates(tensors, alg.params) and self._fits(model, alg, opt)]
+                 if _updates(stepped, alg.params) and self._fits(model, alg, opt, stepped)]
         self._stepping[opt] = ((self._version, len(self.by_model), groups), found)
         return found
 
-    def _fits(self, model, alg, opt):
+    def _fits(self, model, alg, opt, stepped):
         fitting = self._fitting.setdefault(opt, set())
         if id(alg) in fitting:
             return True
-        why = alg.fits(opt)
+        why = alg.fits(opt, stepped)
         if why is not None:
             self.pop(model)
             self.on_drop(model, alg, f"{why}; gradient allreduce kept")
@@ -92,6 +95,10 @@ class ModelAlgorithms:
     def step_of(self, opt):
         """The algorithm whose ``step(opt)`` replaces ``opt``'s own step now, or None."""
         return next((alg for alg in self._stepped_by(opt) if alg.takes_step_of(opt)), None)
+
+
+def _itself(tensor):
+    return (tensor,)
 
 
 def _updates(tensors, params):

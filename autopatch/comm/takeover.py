@@ -92,18 +92,20 @@ class DDPTakeover:
     """
 
     def __init__(self, *, bucket_bytes, compression="none", hierarchical=False,
-                 timeout_seconds=None, warn=False, algorithm=None, keeps=None):
+                 timeout_seconds=None, warn=False, algorithm=None, keeps=None,
+                 stands_for=None):
         """``algorithm``: an ``AlgorithmChoice`` for the models built from now on (default:
         gradient_allreduce); ``keeps(world)``: why DDP's own reducer keeps a model of ``world``
         ranks unless asked otherwise (``use_algorithm``), or None to take it over
-        (sync_owner.py)."""
+        (sync_owner.py); ``stands_for``: the fusion side's answer to which parameters a
+        stepped tensor updates (model_algorithms.py)."""
         self.choice = algorithm or AlgorithmChoice()
         self.keeps = keeps or (lambda world: None)
         self.settings = SyncSettings(int(bucket_bytes), self.choice.compression(compression), bool(hierarchical))
         self.timeout_seconds = timeout_seconds
         self.patch = DDPPatch(self)
         self.models = weakref.WeakKeyDictionary()       # every DDP model seen -> its TakenModel
-        self.algorithms = ModelAlgorithms(self._dropped)
+        self.algorithms = ModelAlgorithms(self._dropped, stands_for)
         self.log = TakeoverLog(warn)
         self.topology = None     # the job's nodes, once a model over the whole world was built
         # on_averaged() callbacks by handle id; torch's RemovableHandle needs a weakref-able dict

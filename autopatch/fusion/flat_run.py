@@ -10,13 +10,26 @@ state tensors are views with its own strides (those torch gives state made with
 ``preserve_format``): a transposed or channels_last weight stays one, so every kernel reading it
 takes the path it takes unpatched, and the chunks, being slices of storage, stay elementwise
 aligned with the parameters' state and gradients (``ChunkGrads`` reads those in that order too).
+
+``stands_for(tensor)`` says which parameters a chunk stands in for while a fused step runs, so
+that what watches an optimizer's param groups (a communication algorithm's check of the
+parameters it updates) sees the user's parameters behind the chunks.
 """
 
 import bisect
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .chunk_grads import ChunkGrads
+
+_covered = WeakIdKeyDictionary()     # a live chunk -> the parameters it spans
+
+
+def stands_for(tensor):
+    """The parameters whose memory ``tensor`` updates: those a chunk spans, else ``(tensor,)``."""
+    return _covered.get(tensor, (tensor,))
+
 
 FULL, SCALAR, PYTHON = "full", "scalar", "python"
 
@@ -81,6 +94,8 @@ class FlatRun:
         self.chunk_bounds = list(zip(bounds[:-1], bounds[1:]))
         self.chunk_spans = [self._span(s, e) for s, e in self.chunk_bounds]
         self.chunks = [torch.nn.Parameter(self.flat[s:e], requires_grad=True) for s, e in self.chunk_bounds]
+        for c, (i0, i1) in zip(self.chunks, self.chunk_spans):
+            _covered[c] = tuple(self.params[i0:i1])
         self.grads = ChunkGrads(self, keep_grads)
         self.chunk_states = [dict() for _ in self.chunks]
         self.chunk_keys = [set() for _ in self.chunks]   # state keys already mirrored per param

@@ -119,13 +119,15 @@ class Runtime:
         from ..comm.sync_handle import GradientSync
         from ..comm.sync_owner import why_ddp_keeps
         from ..comm.takeover import DDPTakeover
+        from ..fusion.flat_run import stands_for
         if self.comm is not None:
             return
         ar = self.policy.allreduce
         comm = DDPTakeover(bucket_bytes=ar.bucket_bytes, compression=ar.compression,
                            hierarchical=ar.hierarchical, timeout_seconds=ar.timeout_seconds,
                            warn=ar.enabled is True, algorithm=AlgorithmChoice.from_policy(self.policy),
-                           keeps=functools.partial(why_ddp_keeps, self.policy))
+                           keeps=functools.partial(why_ddp_keeps, self.policy),
+                           stands_for=stands_for)
         self.comm = self.comm_view.takeover = comm
         self.gradient_sync = GradientSync(comm)
         comm.install(module)

@@ -1,5 +1,5 @@
-"""Bagua's documented usage works unchanged: the fused optimizer with with_bagua in both orders,
-every rank starting from rank 0's optimizer state, QAdamOptimizer under fuse_step(), switching
+"""Bagua's documented usage works unchanged: the fused optimizer with with_bagua in both orders
+(every algorithm, fuse_step() alone or with step(); Bagua's mnist example with qadam), every rank starting from rank 0's optimizer state, QAdamOptimizer under fuse_step(), switching
 algorithms by calling with_bagua again, a process group smaller than the world, and the stand-in
 for bagua.torch_api (tests/support/bagua_usage_worker.py holds the calls as Bagua's scripts make them)."""
 
@@ -35,6 +35,52 @@ def test_with_bagua_then_fuse_optimizer_still_runs_the_algorithm(main_suite):
     for rank in main_suite:
         run = rank["fused"]["low_precision_bagua_first"]
         assert run["communications"] == 12 and run["equal"] and run["fused_steps"] == 6, run
+
+
+@pytest.mark.parametrize("algorithm", ["gradient_allreduce", "bytegrad", "decentralized",
+                                       "low_precision_decentralized", "qadam"])
+@pytest.mark.parametrize("order", ["fuse_first", "bagua_first"])
+@pytest.mark.parametrize("stepping", ["fuse_step", "alternate"])
+def test_every_algorithm_runs_under_fuse_step_in_either_order(main_suite, algorithm, order, stepping):
+    """The flat chunks fuse_step() steps stand for the model's own parameters: the algorithm is
+    kept (qadam was dropped as 'updates parameters outside this model' when the first step was a
+    fuse_step()), and the weights equal step()'s bit for bit."""
+    for rank in main_suite:
+        run = rank["orders"][f"{algorithm}_{order}_{stepping}"]
+        assert run["running"] == run["plain_running"] and run["equal"] and run["fused_steps"] == 12 // (
+            1 if stepping == "fuse_step" else 2), run
+        assert run["running"] == (None if algorithm in ("gradient_allreduce", "bytegrad") else algorithm), run
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2_ranks", "3_ranks"])
+def mnist_qadam(request):
+    """Bagua's examples/mnist order (QAdamOptimizer, with_bagua, fuse_optimizer, fuse_step() in the
+    loop), and the same job without --fuse-optimizer, on 2 and 3 ranks."""
+    ranks = run_ranks([WORKER, "mnist_qadam"], request.param, timeout=patience(240), env={"PYTHONPATH": IMPORT_PATH})
+    assert failed(ranks) is None, failed(ranks)
+    return request.param, [r.results for r in ranks]
+
+
+def test_bagua_mnist_example_runs_qadam_with_fuse_optimizer(mnist_qadam):
+    """qadam runs past its warm-up with no warning, every step fused, replicas identical."""
+    for rank in mnist_qadam[1]:
+        fused = rank["fused"]
+        assert fused["warnings"] == [] and fused["fused_steps"] == 10, fused
+        assert fused["algorithm"]["algorithm"] == "qadam" and fused["algorithm"]["phase"] == "compressing", fused
+        assert fused["algorithm"]["steps"] == rank["plain"]["algorithm"]["steps"] == 10, rank
+        assert rank["identical"], rank
+
+
+def test_bagua_mnist_example_with_fuse_optimizer_equals_without(mnist_qadam, request):
+    """Bit for bit. On 3 ranks not yet: the 8-bit average codes the step directions in rows laid
+    out in the order the optimizer presents its tensors, and fuse_step()'s chunks come in the
+    planner's run order (the small parameters' run first), so the rows hold other elements; on
+    2 ranks the codes come out the same."""
+    world, ranks = mnist_qadam
+    if world == 3:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="qadam's 8-bit rows follow the chunks' "
+                                              "layout, not the parameters' (open defect)"))
+    assert all(rank["equal"] for rank in ranks), ranks
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "rprop"])

@@ -3,7 +3,7 @@ optimizer state moves in and back out per parameter."""
 
 import torch
 
-from autopatch.fusion.flat_run import FlatRun, state_signature
+from autopatch.fusion.flat_run import FlatRun, stands_for, state_signature
 
 
 def params(*shapes, seed=0):
@@ -31,6 +31,14 @@ def test_chunks_group_small_parameters_and_cut_large_ones_into_their_own():
     assert run.chunk_bounds == [(0, 8), (8, 16), (16, 24), (24, 33), (33, 36)]
     assert run.chunk_spans == [(0, 2), (2, 3), (2, 3), (2, 3), (3, 4)]
     assert all(c.data_ptr() == run.flat[s:e].data_ptr() for c, (s, e) in zip(run.chunks, run.chunk_bounds))
+
+
+def test_a_chunk_stands_for_the_parameters_it_spans_and_any_other_tensor_for_itself():
+    ps = params((4,), (4,), (25,), (3,))
+    run = FlatRun(ps, None, chunk_elems=10)
+    assert [tuple(map(id, stands_for(c))) for c in run.chunks] == \
+        [(id(ps[0]), id(ps[1]))] + [(id(ps[2]),)] * 3 + [(id(ps[3]),)]
+    assert stands_for(ps[0])[0] is ps[0] and len(stands_for(ps[0])) == 1
 
 
 def test_aligned_chunks_keep_every_parameter_whole():

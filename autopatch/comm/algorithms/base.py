@@ -19,8 +19,9 @@ on every rank:
 - ``describe()`` for the report, ``close()`` at the end. ``close`` is idempotent and raises
   nothing; it finishes what is in flight (every rank has the same), and for ``async`` returns
   once every rank has stopped averaging, or one has failed or gone.
-- ``fits(optimizer)`` once per optimizer stepping these parameters (qadam continues Adam and
-  AdamW only), and, where ``takes_step_of(optimizer)``, ``step(optimizer)`` in place of the
+- ``fits(optimizer, stepped)`` once per optimizer stepping these parameters (qadam continues
+  Adam and AdamW only), ``stepped`` being the parameters its step updates (those flat chunks
+  stand for, during a fused step), and, where ``takes_step_of(optimizer)``, ``step(optimizer)`` in place of the
   optimizer's own ``step()``, still between ``before_step`` and ``after_step`` (qadam once
   ``compressing``).
 
@@ -137,9 +138,10 @@ class Algorithm:
         """The algorithm's settings, as the policy names them."""
         return {}
 
-    def fits(self, optimizer):
+    def fits(self, optimizer, stepped):
         """Why this algorithm cannot go on with ``optimizer`` stepping its parameters, or None;
-        asked once per optimizer, at its first step."""
+        asked once per optimizer, at its first step. ``stepped``: the parameters that step
+        updates (the user's, also where flat chunks stand in for them)."""
         return None
 
     def takes_step_of(self, optimizer):

@@ -252,10 +252,10 @@ class QAdam(Algorithm):
     def gradient_sync(self):
         return not self.compressing
 
-    def fits(self, optimizer):
+    def fits(self, optimizer, stepped):
         why = unsupported(optimizer)
         mine = {id(p) for p in self.params}
-        if why is None and any(id(p) not in mine for g in optimizer.param_groups for p in g["params"]):
+        if why is None and any(id(p) not in mine for p in stepped):
             why = f"{type(optimizer).__name__} also updates parameters outside this model"
         if why is None and isinstance(optimizer, QAdamOptimizer):
             self.warmup_steps = optimizer.warmup_steps   # its own switch says when averaging stops
