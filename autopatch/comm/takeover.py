@@ -105,6 +105,7 @@ class DDPTakeover:
         self.timeout_seconds = timeout_seconds
         self.patch = DDPPatch(self)
         self.models = weakref.WeakKeyDictionary()       # every DDP model seen -> its TakenModel
+        self.reducers = []       # the allreduce of every model autopatch runs: read every step, kept plain
         self.algorithms = ModelAlgorithms(self._dropped, stands_for)
         self.log = TakeoverLog(warn)
         self.topology = None     # the job's nodes, once a model over the whole world was built
@@ -118,7 +119,7 @@ class DDPTakeover:
 
     def averages(self, params):
         """True when autopatch averages the gradient of every parameter in ``params``."""
-        mine = {id(p) for _, m in self._running() for p in m.reducer.params}
+        mine = {id(p) for reducer in self.reducers for p in reducer.params}
         return all(id(p) in mine for p in params)
 
     def on_averaged(self, fn):
@@ -176,10 +177,19 @@ class DDPTakeover:
         if model.left is not None:       # kept until now, asked for now
             self.log.rejoin(ddp, model.left)
         model.left, model.kept_by_policy, model.reducer = None, False, reducer
+        self.reducers.append(reducer)
         if algorithm is not None:
             self.algorithms.add(ddp, algorithm)
         model.entry = self.log.add(ddp, reducer, algorithm)
-        weakref.finalize(ddp, self.log.retire, model.entry, "the model was freed")   # the report outlives it
+        weakref.finalize(ddp, self._freed, reducer, model.entry)   # the report outlives the model
+
+    def _freed(self, reducer, entry):
+        self._stop(reducer)
+        self.log.retire(entry, "the model was freed")
+
+    def _stop(self, reducer):
+        if reducer in self.reducers:
+            self.reducers.remove(reducer)
 
     def _dropped(self, ddp, algorithm, why):
         """An algorithm cannot go on for this model (qadam over an optimizer it cannot continue):
@@ -203,6 +213,7 @@ class DDPTakeover:
         if model.reducer is not None:
             self.algorithms.pop(ddp)
             self.log.retire(model.entry, f"handed back to DDP: {reason}")
+            self._stop(model.reducer)
             model.reducer, model.entry, model.left = None, None, reason
             self.log.leave(ddp, reason)
 
@@ -233,12 +244,12 @@ class DDPTakeover:
     @property
     def in_charge(self):
         """True while autopatch averages the gradients of some DDP model."""
-        return bool(self._running())
+        return bool(self.reducers)
 
     @property
     def wait_seconds(self):
         """Seconds spent waiting for gradient communication so far, over the models in charge."""
-        return float(sum(m.reducer.wait_seconds for _, m in self._running()))
+        return float(sum(reducer.wait_seconds for reducer in self.reducers))
 
     def set_bucket_bytes(self, nbytes):
         self._swap(bucket_bytes=int(nbytes))
@@ -269,6 +280,7 @@ class DDPTakeover:
         for model in self.models.values():
             model.reducer = model.entry = None
         self.models.clear()
+        self.reducers.clear()
         self.algorithms.clear()
         self.patch.uninstall()
 

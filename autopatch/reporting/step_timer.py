@@ -103,7 +103,8 @@ class StepTimer:
     def _waits(self):
         """Running totals: (communication wait, data wait) seconds."""
         comm, data = self.session.allreduce, self.session.data_waits
-        return 0.0 if comm is None else comm.wait_seconds, 0.0 if data is None else data.seconds
+        return (comm.wait_seconds if comm is not None and comm.active else 0.0,
+                0.0 if data is None else data.seconds)
 
     def _totals(self):
         optimizers = self.session.optimizers
