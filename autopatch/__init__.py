@@ -34,6 +34,7 @@ def enable(policy=None, **overrides):
     global _session, _last
     import os
     from . import policy as _policy
+    from .patching import standing
     from .runtime import Session
     with _lock:
         if _session is not None:
@@ -45,6 +46,7 @@ def enable(policy=None, **overrides):
                            overrides=_policy.enable_overrides(overrides))
         opened = Session(pol)
         opened.install()
+        standing.install()
         _session = _last = opened
         if not _exit["registered"]:
             atexit.register(_at_exit)
@@ -55,7 +57,9 @@ def enable(policy=None, **overrides):
 def disable():
     """Undo every patch and hook; optimizers go on exactly as unpatched ones. Idempotent."""
     global _session
+    from .patching import standing
     with _lock:
+        standing.uninstall()     # what an imported autopatch module gave torch (model.with_bagua)
         if _session is None:
             return
         _session.runtime.uninstall()

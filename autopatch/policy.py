@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from . import env as _env
-from .tunables import EXPONENT_LIMITS, KNOBS
+from .tunables import KNOBS
 from .vocabulary import (ALGORITHMS, AUTO, COMPRESSIONS, EXACTNESS, GRADIENT_ALLREDUCE, OFF,
                          PEER_SELECTION_MODES, POLICY_MODES, SWITCHABLE_MODES)
 
@@ -241,7 +241,8 @@ def complexity_spec(spec):
 
 
 def _bounds(v):
-    """``{knob: [lo, hi]}`` for exponent knobs, ``{knob: [choices...]}`` for the others."""
+    """``{knob: [lo, hi]}`` for exponent knobs, ``{knob: [choices...]}`` for the others; every
+    value checked by the setting the knob sets (``knob_value``)."""
     if not isinstance(v, dict):
         raise TypeError(f"expected a mapping of knob -> bounds, got {type(v).__name__}")
     out = []
@@ -249,21 +250,49 @@ def _bounds(v):
         knob = KNOBS[_choice(tuple(KNOBS))(name)]
         if not isinstance(b, list) or not b:
             raise TypeError(f"{name}: expected a non-empty list, got {shown(b)}")
-        if knob.exponent:
-            if len(b) != 2:
-                raise ValueError(f"{name}: expected [lo, hi], got {shown(b)}")
-            lo, hi = (_typed(int, *EXPONENT_LIMITS)(x) for x in b)
-            if lo > hi:
-                raise ValueError(f"{name}: lo {lo} is above hi {hi}")
-            out.append((name, (lo, hi)))
-            continue
-        check = {"mode": lambda x: _mode(x, SWITCHABLE_MODES), "compression": _choice(COMPRESSIONS)}.get(
-            name, _typed(bool))
+        if knob.exponent and len(b) != 2:
+            raise ValueError(f"{name}: expected [lo, hi], got {shown(b)}")
         try:
-            out.append((name, tuple(dict.fromkeys(check(x) for x in b))))
+            values = tuple(knob_value(name, x) for x in b)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}: {e}") from None
+        if knob.exponent and values[0] > values[1]:
+            raise ValueError(f"{name}: lo {values[0]} is above hi {values[1]}")
+        out.append((name, values if knob.exponent else tuple(dict.fromkeys(values))))
     return tuple(out)
+
+
+def knob_value(name, value):
+    """``value`` of autotune's knob ``name`` when the setting the knob sets takes what it stands
+    for (an exponent's 2^value bytes), and the knob can switch to it while the job runs; else a
+    ValueError. A knob has no limits of its own: the setting's declaration is the only one."""
+    knob = KNOBS[name]
+    check = KEYS[knob.setting].check
+    if not knob.exponent:
+        value = check(value)
+        if value not in knob.bounds:
+            raise ValueError(f"{shown(value)} is not one it switches to while the job runs "
+                             f"(those are {', '.join(map(str, knob.bounds))})")
+        return value
+    value = _typed(int)(value)
+    if not 0 <= value < 64:
+        raise ValueError(f"2^{shown(value)} bytes is not a byte count in 64 bits")
+    nbytes = knob.handle_value(value)
+    try:
+        check(nbytes)
+    except ValueError as e:
+        raise ValueError(f"{value} gives {nbytes} bytes, which {knob.setting} refuses: {e}") from None
+    return value
+
+
+def check_setting(key, value):
+    """``value`` for policy key ``key``, checked by its declaration: what the run-time setters
+    (``handle.set_chunk_bytes``, ``session.allreduce.set_bucket_bytes``, ...) take; a TypeError or
+    ValueError naming the key else."""
+    try:
+        return KEYS[key].check(value)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{key}: {e}") from None
 
 
 def setting(default, check, doc, *, key=None, applies=None, spellings=None):
@@ -322,7 +351,7 @@ class Allreduce:
     enabled: object = setting("auto", _auto_bool, "take over DDP's gradient sync: auto, true or false")
     bucket_bytes: int = setting(
         25 * 2**20, _size, "bucket size", spellings={"bucket_size_2p": lambda v: KNOBS["bucket_size_2p"].handle_value(
-            _typed(int, 10, 31)(v))})
+            knob_value("bucket_size_2p", v))})
     compression: str = setting("none", _choice(COMPRESSIONS), "gradients on the wire")
     hierarchical: bool = setting(False, _typed(bool), "reduce within each node first")
     timeout_seconds: object = setting(None, _optional(_typed(float, 0.001)),

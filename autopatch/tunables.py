@@ -2,7 +2,9 @@
 autotune (reading and setting them in the run).
 
 A knob lives on a kind of handle the session hands out: every fused optimizer's
-(``session.optimizers``) or the gradient sync's (``session.allreduce``). ``handle.<attribute>`` is
+(``session.optimizers``) or the gradient sync's (``session.allreduce``), and sets one policy
+setting there (``setting``), whose check alone says what values it may take: a knob's bounds,
+in a policy or here, are checked by it (``policy.knob_value``), as are the handles' setters. ``handle.<attribute>`` is
 the value in effect (what the handle really uses: a chunk size after backward's cap and the
 memory bound, not the policy's), ``handle.set_<attribute>(value)`` changes it between steps.
 Exponent knobs (Bagua's ``*_2p``) search powers of two: knob value ``v`` is ``2**v`` bytes.
@@ -23,7 +25,8 @@ class Knob:
     name: str
     target: str            # OPTIMIZERS or ALLREDUCE: which handles carry it
     attribute: str         # handle.<attribute> reads it; handle.set_<attribute>(value) sets it
-    bounds: tuple          # default search bounds: (lo, hi) exponents, or the choices
+    setting: str           # the policy key it sets, whose check it obeys
+    bounds: tuple          # default search bounds: (lo, hi) exponents, or every choice
     exponent: bool = False
     doc: str = ""
 
@@ -49,13 +52,12 @@ def exponent_of(nbytes):
 # Switched in this order when several change at once: the chunk size before the mode, so a new
 # mode plans its buffers once.
 KNOBS = {k.name: k for k in (
-    Knob("chunk_size_2p", OPTIMIZERS, "chunk_bytes", (14, 26), exponent=True,
+    Knob("chunk_size_2p", OPTIMIZERS, "chunk_bytes", "fusion.chunk_bytes", (14, 26), exponent=True,
          doc="flat chunks of 2^n bytes"),
-    Knob("mode", OPTIMIZERS, "mode", SWITCHABLE_MODES, doc="the fusion mode of every fused optimizer"),
-    Knob("bucket_size_2p", ALLREDUCE, "bucket_bytes", (10, 31), exponent=True,
+    Knob("mode", OPTIMIZERS, "mode", "fusion.mode", SWITCHABLE_MODES, doc="the fusion mode of every fused optimizer"),
+    Knob("bucket_size_2p", ALLREDUCE, "bucket_bytes", "allreduce.bucket_bytes", (10, 31), exponent=True,
          doc="allreduce buckets of 2^n bytes (Bagua's knob)"),
-    Knob("hierarchical", ALLREDUCE, "hierarchical", (False, True),
+    Knob("hierarchical", ALLREDUCE, "hierarchical", "allreduce.hierarchical", (False, True),
          doc="reduce within nodes first (Bagua's is_hierarchical_reduce)"),
-    Knob("compression", ALLREDUCE, "compression", COMPRESSIONS, doc="gradients on the wire"),
+    Knob("compression", ALLREDUCE, "compression", "allreduce.compression", COMPRESSIONS, doc="gradients on the wire"),
 )}
-EXPONENT_LIMITS = (6, 40)     # what an exponent knob's bounds may say at all

@@ -78,7 +78,7 @@ def main():
                      autotune={"knobs": ["mode", "chunk_size_2p"], "warmup_steps": 20,
                                "trial_seconds": trial_seconds, "max_samples": args.max_samples,
                                "batch_size": args.batch, "bounds": {"mode": ["off", "multi_layer"],
-                                                                    "chunk_size_2p": [8, 26]}})
+                                                                    "chunk_size_2p": [10, 26]}})
     model, opt = build(args.width, args.depth)
     job = Job(model, opt, args.batch, args.width)
     t0 = time.perf_counter()
@@ -90,7 +90,7 @@ def main():
 
     knobs = RunKnobs(session)
     knobs.current(frozen)
-    space = Space({"mode": ("off", "multi_layer"), "chunk_size_2p": (8, 26)})
+    space = Space({"mode": ("off", "multi_layer"), "chunk_size_2p": (10, 26)})
     grid = space.grid()
     contenders = [(space.key(c), c) for c in grid]
     relative = {name: [] for name, _ in contenders}     # throughput / the frozen config's, per round
@@ -117,7 +117,7 @@ def main():
         "machine": summary(),
         "workload": f"MLP width {args.width} depth {args.depth} ({sum(len(g['params']) for g in opt.param_groups)} "
                     f"tensors), Adam, batch {args.batch}; start: chunk 1 KiB",
-        "space": f"mode x chunk_size_2p 8..26: {len(grid)} distinct configs",
+        "space": f"mode x chunk_size_2p 10..26: {len(grid)} distinct configs",
         "trials": len(tune["trials"]),
         "start_config": start["config"], "start_score_during_search": round(start["score"], 1),
         "frozen_config": frozen, "grid_best_config": dict(best_key),

@@ -81,6 +81,43 @@ def test_imports_follow_the_flow_between_rooms():
     assert "BROKEN" not in res.stdout and "KEPT" in res.stdout
 
 
+def knob_outside_its_setting(knob):
+    """The default bounds of autotune's ``knob`` that the policy setting it sets refuses, as
+    readable lines: a knob is declared by its setting, never with limits of its own."""
+    from autopatch.policy import KEYS
+    if knob.setting not in KEYS:
+        return [f"{knob.name}: sets {knob.setting}, which is no policy setting"]
+    values = range(knob.bounds[0], knob.bounds[1] + 1) if knob.exponent else knob.bounds
+    out = []
+    for value in values:
+        taken = knob.handle_value(value)
+        try:
+            ok = KEYS[knob.setting].check(taken) == taken
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            out.append(f"{knob.name}: {value!r} ({taken!r}) is refused by {knob.setting}")
+    return out
+
+
+def test_every_knob_bound_lies_inside_its_setting():
+    from autopatch.tunables import KNOBS
+    found = [line for knob in KNOBS.values() for line in knob_outside_its_setting(knob)]
+    assert not found, "\n".join(found)
+
+
+def test_the_knob_rule_catches_what_it_is_about():
+    from autopatch.tunables import ALLREDUCE, OPTIMIZERS, Knob
+    assert knob_outside_its_setting(Knob("small", OPTIMIZERS, "chunk_bytes", "fusion.chunk_bytes", (6, 10),
+                                         exponent=True)) == [
+        "small: 6 (64) is refused by fusion.chunk_bytes", "small: 7 (128) is refused by fusion.chunk_bytes",
+        "small: 8 (256) is refused by fusion.chunk_bytes", "small: 9 (512) is refused by fusion.chunk_bytes"]
+    assert knob_outside_its_setting(Knob("codec", ALLREDUCE, "compression", "allreduce.compression",
+                                         ("none", "zip"))) == ["codec: 'zip' ('zip') is refused by allreduce.compression"]
+    assert knob_outside_its_setting(Knob("x", ALLREDUCE, "x", "allreduce.x", (1, 2))) == [
+        "x: sets allreduce.x, which is no policy setting"]
+
+
 def test_the_version_matrix_quick_tests_name_files_that_exist():
     """tools/torch_matrix.py's quick leg lists test files by path; a move of a test must not
     silently drop it from every other torch release's run."""

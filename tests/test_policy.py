@@ -134,6 +134,15 @@ BAD = {
     "qadam without warm-up": ("algorithm:\n  name: qadam\n  warmup_steps: 0\n", 3, "'algorithm.warmup_steps'"),
     "algorithm without the takeover": ("allreduce:\n  enabled: false\nalgorithm:\n  name: async\n", 4,
                                        "'algorithm.name'"),
+    "a chunk bound fusion.chunk_bytes refuses": ("autotune:\n  enabled: true\n  bounds:\n    chunk_size_2p: [6, 9]\n",
+                                                 3, "'autotune.bounds'"),
+    "a bucket bound allreduce.bucket_bytes refuses": ("autotune:\n  bounds: {bucket_size_2p: [9, 20]}\n", 2,
+                                                      "'autotune.bounds'"),
+    "a bound of no byte count": ("autotune:\n  bounds: {chunk_size_2p: [20, " + "9" * 4000 + "]}\n", 2,
+                                 "'autotune.bounds'"),
+    "a mode autotune cannot switch to": ("autotune:\n  bounds: {mode: [off, auto]}\n", 2, "'autotune.bounds'"),
+    "a bucket exponent allreduce.bucket_bytes refuses": ("allreduce:\n  bucket_size_2p: 9\n", 2,
+                                                         "'allreduce.bucket_size_2p'"),
     "both spellings": ("fusion:\n  auto_order: [backward]\n  auto_candidates: [forward]\n", 2,
                        "'fusion.auto_order'"),
     # Numbers that are not numbers, wherever a number is checked.
@@ -196,6 +205,25 @@ def test_bad_policy_names_file_line_and_key(tmp_path, case):
     assert len(msg) < len(str(path)) + 500, msg[:1000]      # a value is echoed, never expanded
 
 
+def test_an_autotune_bound_is_checked_by_the_setting_its_knob_sets(tmp_path):
+    """A bound stands for a value of a policy setting: the bytes of 2^6 (64) are refused as
+    ``fusion.chunk_bytes: 64`` is, with the setting's own words; what the setting takes, a bound
+    may say (``allreduce.bucket_bytes`` has no upper limit, so neither has ``bucket_size_2p``)."""
+    path = write(tmp_path, "autotune:\n  enabled: true\n  bounds:\n    chunk_size_2p: [6, 9]\n")
+    with pytest.raises(PolicyError) as bound:
+        policy.load(str(path))
+    with pytest.raises(PolicyError) as setting:
+        policy.load(str(write(tmp_path, "fusion:\n  chunk_bytes: 64\n", "s.yaml")))
+    assert str(bound.value) == (f"{path}:3: key 'autotune.bounds': chunk_size_2p: 6 gives 64 bytes, which "
+                                "fusion.chunk_bytes refuses: must be at least 1024 bytes, got 64")
+    assert str(setting.value).endswith("must be at least 1024 bytes, got 64")
+    taken = policy.load("default", overrides={"autotune.bounds": {"chunk_size_2p": [10, 12], "bucket_size_2p": [10, 36],
+                                                                  "compression": ["none", "bf16"]}})
+    assert taken.autotune.bounds == (("chunk_size_2p", (10, 12)), ("bucket_size_2p", (10, 36)),
+                                     ("compression", ("none", "bf16")))
+    assert policy.load("default", overrides={"allreduce.bucket_size_2p": 36}).allreduce.bucket_bytes == 2**36
+
+
 def test_a_file_larger_than_a_policy_is_refused_unread(tmp_path):
     path = write(tmp_path, "version: 1\n" + "# padding\n" * (policy.MAX_FILE_BYTES // 10))
     with pytest.raises(PolicyError, match=rf"^{path}: a policy file is at most {policy.MAX_FILE_BYTES} bytes"):
@@ -206,11 +234,11 @@ def test_what_the_strict_loader_still_reads(tmp_path):
     """Anchors, aliases and merge keys within the bound, a numeric name and a byte-order mark
     read as they did through yaml.safe_load."""
     text = ("\ufeffname: 2024\noptimizers:\n  include: &mine [Adam*, SGD]\nfusion:\n  force: *mine\n"
-            "autotune:\n  bounds: &b {chunk_size_2p: [8, 12]}\n  knobs: [chunk_size_2p]\n")
+            "autotune:\n  bounds: &b {chunk_size_2p: [10, 12]}\n  knobs: [chunk_size_2p]\n")
     pol = policy.load(str(write(tmp_path, text)))
     assert pol.name == "2024"
     assert pol.optimizers.include == pol.fusion.force == ("Adam*", "SGD")
-    assert pol.autotune.bounds_of("chunk_size_2p") == (8, 12)
+    assert pol.autotune.bounds_of("chunk_size_2p") == (10, 12)
     merged = policy.load(str(write(tmp_path, "algorithm: &shared {hierarchical: true}\n"
                                               "allreduce: {<<: *shared, enabled: true}\n", "m.yaml")))
     assert merged.allreduce.hierarchical is True and merged.allreduce.enabled is True

@@ -23,17 +23,15 @@ the quantisation row (each rank's piece of the bucket):
 
 import torch
 
-from ..vocabulary import COMPRESSIONS
+from ..policy import check_setting
 
 CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 HEADER_BYTES = 8     # a row's float32 min and max, stored after its codes
 
 
 def checked(compression):
-    """``compression`` when it is one autopatch knows, else a ValueError naming the ones it does."""
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"unknown compression {compression!r}; expected one of {', '.join(COMPRESSIONS)}")
-    return compression
+    """``compression`` when ``allreduce.compression`` takes it, else a ValueError naming the ones it does."""
+    return check_setting("allreduce.compression", compression)
 
 
 def compresses(compression, tensor):

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from ..policy import PolicyError
+from ..policy import PolicyError, check_setting
 from ..topology import topology, why_not_hierarchical
 from ..torch_internals import applied_in_backward, ddp_reducer_params, ddp_unsupported
 from .algorithm_choice import AlgorithmChoice
@@ -252,13 +252,13 @@ class DDPTakeover:
         return float(sum(reducer.wait_seconds for reducer in self.reducers))
 
     def set_bucket_bytes(self, nbytes):
-        self._swap(bucket_bytes=int(nbytes))
+        self._swap(bucket_bytes=check_setting("allreduce.bucket_bytes", nbytes))
 
     def set_compression(self, compression):
         self._swap(compression=checked(compression))
 
     def set_hierarchical(self, flag):
-        self._swap(hierarchical=bool(flag))
+        self._swap(hierarchical=check_setting("allreduce.hierarchical", flag))
 
     def _swap(self, **change):
         """New settings, whole, for every model from its next synchronised backward on (and for

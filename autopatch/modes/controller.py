@@ -10,6 +10,7 @@ effect. The controller only passes decisions from the chooser to the active mode
 import time
 import weakref
 
+from ..policy import check_setting
 from ..vocabulary import BACKWARD, OFF, WATCHED_MODES
 from . import guard
 from .active import ActiveMode
@@ -88,7 +89,8 @@ class OptimizerController:
         return self.mode
 
     def set_chunk_bytes(self, chunk_bytes):
-        self.active.set_chunk_bytes(chunk_bytes)
+        """A byte count ``fusion.chunk_bytes`` takes (``4 << 20``, ``"4MiB"``); ValueError else."""
+        self.active.set_chunk_bytes(check_setting("fusion.chunk_bytes", chunk_bytes))
 
     def flush(self):
         self.active.flush()

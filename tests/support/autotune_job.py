@@ -5,7 +5,7 @@ import torch
 from training import batches, mlp, train
 
 FAST = {"warmup_steps": 3, "trial_seconds": 0.02, "windows": 3, "max_samples": 6,
-        "bounds": {"chunk_size_2p": [8, 14]}}
+        "bounds": {"chunk_size_2p": [10, 14]}}
 FAST_YAML = """
 version: 1
 autotune:
@@ -15,7 +15,7 @@ autotune:
   trial_seconds: 0.02
   windows: 3
   max_samples: 6
-  bounds: {chunk_size_2p: [8, 14]}
+  bounds: {chunk_size_2p: [10, 14]}
 """
 
 

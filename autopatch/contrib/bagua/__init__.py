@@ -5,7 +5,8 @@
     model = model.with_bagua([optimizer], bagua.algorithms.gradient_allreduce.GradientAllReduceAlgorithm())
 
 Importing it gives every ``torch.nn.Module`` Bagua's ``with_bagua`` method, as importing Bagua
-did. Bagua's collective primitives, MoE layers, checkpoint helpers and SyncBatchNorm are not
+did; ``autopatch.disable()`` takes the method away with every other patch and ``enable()`` (or
+``init_process_group()``) gives it back. Bagua's collective primitives, MoE layers, checkpoint helpers and SyncBatchNorm are not
 here: docs/migrating-from-bagua.md names what replaces each.
 """
 
@@ -17,6 +18,7 @@ from .. import fuse_optimizer  # noqa: F401  (bagua.contrib.fuse_optimizer is re
 from .. import with_bagua as _with_bagua_function
 from . import algorithms  # noqa: F401
 from ... import contrib  # noqa: F401
+from ...patching import standing
 
 __all__ = ["init_process_group", "get_rank", "get_world_size", "get_local_rank", "get_local_size",
            "with_bagua", "algorithms", "contrib"]
@@ -67,4 +69,4 @@ def with_bagua(self, optimizers, algorithm, process_group=None, do_flatten=True)
     return _with_bagua_function(self, optimizers, algorithm, process_group=process_group, do_flatten=do_flatten)
 
 
-torch.nn.Module.with_bagua = with_bagua
+standing.add(torch.nn.Module, "with_bagua", with_bagua)
