@@ -419,7 +419,7 @@ class Logging:
     tensorboard_dir: object = setting(None, _optional_path, "TensorBoard log directory")
     report: object = setting(None, _optional_path, "JSON report path; {rank} becomes the rank")
     summary: bool = setting(True, _typed(bool), "the summary on stderr at exit")
-    breakdown: bool = setting(True, _typed(bool), "where each step's time goes, and advice, in the report")
+    breakdown: bool = setting(False, _typed(bool), "where each step's time goes, and advice, in the report")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ class SlowDataset(torch.utils.data.Dataset):
 
 
 def test_a_slow_dataset_makes_data_wait_the_largest_share_and_the_advice_names_the_cache(ap, one_thread):
-    ap.enable()
+    ap.enable(logging={"breakdown": True})
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -48,7 +48,7 @@ def test_a_slow_dataset_makes_data_wait_the_largest_share_and_the_advice_names_t
 
 
 def test_many_small_tensors_stepped_through_a_closure_make_the_optimizer_the_largest_share(ap, one_thread):
-    ap.enable()
+    ap.enable(logging={"breakdown": True})
     params = [torch.zeros(4, requires_grad=True) for _ in range(400)]
     opt = torch.optim.Adam(params, lr=0.1)
 
@@ -69,7 +69,7 @@ def test_many_small_tensors_stepped_through_a_closure_make_the_optimizer_the_lar
 
 
 def test_a_run_where_nothing_stands_out_gives_no_advice(ap, one_thread):
-    ap.enable()
+    ap.enable(logging={"breakdown": True})
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -102,7 +102,7 @@ def test_breakdown_switched_off_measures_nothing_and_disable_restores_backward(a
     assert "breakdown" not in report and "advice" not in report
     assert torch.autograd.backward is original
     ap.disable()
-    ap.enable()
+    ap.enable(logging={"breakdown": True})
     train()
     assert torch.autograd.backward is not original and ap.report()["breakdown"]["steps"] == 2
     ap.disable()
@@ -135,7 +135,8 @@ def test_a_slow_link_between_two_gloo_ranks_makes_exposed_communication_the_larg
     netns = pytest.importorskip("harness.netns")
     script = write_script(tmp_path / "train.py", DDP_SCRIPT)
     ranks = netns.run_ranks_shaped([script], 2, rate="1gbit", timeout=patience(120),
-                                   env={"PYTHONPATH": IMPORT_PATH, "FUSEDOPT_ENABLE": 1, "FUSEDOPT_MODE": "off",
+                                   env={"PYTHONPATH": IMPORT_PATH, "FUSEDOPT_ENABLE": 1, "FUSEDOPT_MODE": "off", "FUSEDOPT_BREAKDOWN": 1,
+                                        "FUSEDOPT_POLICY": "gradient_allreduce",   # autopatch runs the sync
                                         "FUSEDOPT_REPORT": tmp_path / "report_{rank}.json"})
     for r in ranks:
         assert r.returncode == 0, r.stdout + r.stderr
