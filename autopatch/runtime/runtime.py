@@ -54,7 +54,7 @@ class Runtime:
         self._when_imported("torch.optim", self._patch_torch)
         if self.policy.allreduce.enabled is not False:
             self._when_imported("torch.nn.parallel.distributed", self._take_over_ddp)
-        if self.policy.logging.breakdown:
+        if self.policy.logging.breakdown or self.policy.logging.tensorboard_dir:   # as the step timer does
             self._when_imported("torch.utils.data", self._time_batches)
         self._serve_data()
 
