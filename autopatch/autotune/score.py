@@ -5,8 +5,9 @@ one batch size of the DataLoaders alive when the search starts), else iterations
 trials within one run compare fairly. The median resists a noisy neighbour slowing one window.
 """
 
-import gc
 import sys
+
+from ..live_objects import live_instances
 
 
 def detect_batch_size():
@@ -14,7 +15,7 @@ def detect_batch_size():
     data = sys.modules.get("torch.utils.data")
     if data is None:
         return None
-    sizes = {o.batch_size for o in gc.get_objects() if issubclass(type(o), data.DataLoader)}
+    sizes = {o.batch_size for o in live_instances(data.DataLoader)}
     if len(sizes) == 1:
         size = sizes.pop()
         return size if isinstance(size, int) else None

@@ -11,8 +11,7 @@
 Models alive when the patch is installed are offered too. ``uninstall`` restores the class.
 """
 
-import gc
-
+from ..live_objects import live_instances
 from ..patching import Ledger
 from ..torch_internals import DDP_HANDING_BACK
 
@@ -30,9 +29,8 @@ class DDPPatch:
         self.ledger.wrap(ddp_class, "forward", self._forward)
         for name, reason in DDP_HANDING_BACK.items():
             self.ledger.wrap(ddp_class, name, self._handing_back(reason, uneven=name == JOIN))
-        for obj in gc.get_objects():
-            if ddp_class in type(obj).__mro__:   # not issubclass: its ABC checks are slow over every object
-                self.takeover.adopt(obj)
+        for obj in live_instances(ddp_class):
+            self.takeover.adopt(obj)
 
     def uninstall(self):
         self.ledger.uninstall()

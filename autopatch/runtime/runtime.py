@@ -7,7 +7,6 @@ goes for DistributedDataParallel, whose gradient sync the comm room takes over.
 """
 
 import functools
-import gc
 import sys
 import time
 import weakref
@@ -15,6 +14,7 @@ import weakref
 import wrapt
 
 from .. import agreement
+from ..live_objects import live_instances
 from ..patching import Ledger, building_own_objects
 from ..reporting.sections import ReportSections
 from .comm_view import CommView
@@ -98,9 +98,8 @@ class Runtime:
         warn_if_untested()
         self.sections.add("torch", torch_report)
         self.ledger.wrap(optim.Optimizer, "__init__", self._after_init)
-        gc.collect()   # adopt live optimizers only, not garbage awaiting collection
-        for obj in gc.get_objects():
-            if issubclass(type(obj), optim.Optimizer) and not self._is_wrapper(obj):
+        for obj in live_instances(optim.Optimizer):
+            if not self._is_wrapper(obj):
                 self.adopt(obj)
 
     @staticmethod
