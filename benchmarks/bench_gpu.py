@@ -54,7 +54,6 @@ each workload so a run cut short keeps what it measured, and the Markdown is pri
     PYTHONPATH=$PWD python benchmarks/bench_gpu.py --device cpu --quick --out DIR   # harness smoke run
 """
 
-
 import argparse
 import multiprocessing
 import os

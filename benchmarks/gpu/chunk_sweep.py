@@ -11,7 +11,6 @@ from harness.gpu_runs import measure
 from harness.gpu_workloads import MiB
 from harness.report import log
 
-
 SWEEP_WORKLOADS = ("gpt2-b8-adamw", "gpt2-b8-bertadam", "mobilenet-b32-sgd")
 SWEEP_MIB = (1, 4, 16, 64, 256)
 

@@ -17,7 +17,6 @@ from harness.processes import Worker, WorkerError
 from harness.report import first_line, log, markdown
 from harness.workloads import token_loss
 
-
 CPU_MEMORY_CAP = 96 * MiB   # --max-model on CPU: the data segment may grow this much past start-up
 # How running out of memory reads when it does not raise torch's OutOfMemoryError or MemoryError.
 OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "bad_alloc", "CUBLAS_STATUS_ALLOC_FAILED")
