@@ -39,6 +39,7 @@ from harness.alternation import rotated
 from harness.machine import summary
 from harness.optimizers import BertAdam
 from harness.adoption import adopt_alone, assert_fused
+from harness.fsdp import one_rank_group, shard_gpt2, shard_mlp
 from harness.report import markdown
 from harness.states import assert_trained_alike
 from harness.workloads import stack
@@ -47,22 +48,10 @@ MiB = 2**20
 CONTENDERS = ("unpatched", "autopatch", "flat copy")
 
 
-def shard_mlp(model):
-    from torch.distributed.fsdp import fully_shard
-    for m in model:
-        if isinstance(m, nn.Linear):
-            fully_shard(m)
-    return fully_shard(model)
-
-
 def gpt2(device):
     """GPT-2 124M from its config, random weights, each block and the root sharded by FSDP2."""
-    from torch.distributed.fsdp import fully_shard
     from transformers import GPT2Config, GPT2LMHeadModel
-    model = GPT2LMHeadModel(GPT2Config()).to(device)
-    for block in model.transformer.h:
-        fully_shard(block)
-    return fully_shard(model)
+    return shard_gpt2(GPT2LMHeadModel(GPT2Config()).to(device))
 
 
 OPTIMIZERS = {"AdamW": lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01),
@@ -233,7 +222,7 @@ def run_gpu(args):
         print("bench_fsdp --gpu: CUDA is not available on this machine; nothing measured.")
         return
     import torch.distributed as dist
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    one_rank_group("nccl")
     torch.cuda.set_device(0)
     start = time.time()
     rows = []

@@ -1,5 +1,6 @@
 """The house rules, checked on the source: data flows one way between the rooms, no room reads
-another's private fields, and torch's internals are touched in one module only.
+another's private fields, torch's internals are touched in one module only, and no module or class
+grows past what one idea needs (``MAX_MODULE_LINES``, ``MAX_CLASS_LINES``).
 
 The import rules are import-linter contracts (pyproject.toml, ``[tool.importlinter]``); the
 private-field rule is read off the syntax tree: an attribute or name with one leading underscore
@@ -21,6 +22,11 @@ TORCH_INTERNALS = PACKAGE / "torch_internals.py"
 # What the standard library or a library's documented convention names with an underscore.
 ALLOWED = {"os._exit"}
 ALLOWED_PREFIXES = ("_self_",)      # wrapt's ObjectProxy keeps its own attributes under this prefix
+MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 250               # from the ``class`` line to its last statement
+# Classes still past MAX_CLASS_LINES, by file and name; the test fails once one of them is back under,
+# so the list only shrinks.
+OVER_THE_LIMIT = {("autopatch/modes/chooser.py", "ModeChooser")}
 
 
 def _private(name):
@@ -128,3 +134,46 @@ def test_the_version_matrix_quick_tests_name_files_that_exist():
         sys.path.remove(str(ROOT / "tools"))
     missing = [path for path in torch_matrix.QUICK_TESTS if not (ROOT / path).exists()]
     assert not missing, missing
+
+
+def long_modules(root):
+    """(path, lines) of every module under ``root`` longer than ``MAX_MODULE_LINES``."""
+    return [(path, n) for path in sorted(root.rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+
+
+def long_classes(root):
+    """{(path from ``root``'s parent, class name): lines} of every class under ``root`` longer than
+    ``MAX_CLASS_LINES``."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            lines = node.end_lineno - node.lineno + 1 if isinstance(node, ast.ClassDef) else 0
+            if lines > MAX_CLASS_LINES:
+                out[(path.relative_to(root.parent).as_posix(), node.name)] = lines
+    return out
+
+
+def test_no_module_holds_several_modules_worth():
+    found = [f"{path.relative_to(ROOT)}: {n} lines" for path, n in long_modules(PACKAGE)]
+    assert not found, f"modules over {MAX_MODULE_LINES} lines (split them by idea):\n" + "\n".join(found)
+
+
+def test_no_class_holds_several_classes_worth():
+    found = long_classes(PACKAGE)
+    new = [f"{path}: {name}, {n} lines" for (path, name), n in found.items() if (path, name) not in OVER_THE_LIMIT]
+    assert not new, f"classes over {MAX_CLASS_LINES} lines (move an idea out):\n" + "\n".join(new)
+    back_under = sorted(OVER_THE_LIMIT - set(found))
+    assert not back_under, f"back under {MAX_CLASS_LINES} lines, take them off OVER_THE_LIMIT: {back_under}"
+
+
+def test_the_size_rules_catch_what_they_are_about(tmp_path):
+    """A module one line past the limit and a class one line past it are found; ones at the limit
+    are not."""
+    def body(lines):
+        return "".join(f"    x{i} = {i}\n" for i in range(lines - 1))
+    (tmp_path / "big.py").write_text("class Big:\n" + body(MAX_CLASS_LINES + 1) + "\n" * MAX_MODULE_LINES)
+    (tmp_path / "small.py").write_text("class Small:\n" + body(MAX_CLASS_LINES))
+    (tmp_path / "edge.py").write_text("\n" * MAX_MODULE_LINES)
+    assert [path.name for path, _ in long_modules(tmp_path)] == ["big.py"]
+    assert long_classes(tmp_path) == {(f"{tmp_path.name}/big.py", "Big"): MAX_CLASS_LINES + 1}

@@ -33,17 +33,21 @@ import time
 from .. import agreement, dist
 from . import score
 from .knobs import RunKnobs, choosing_mode
+from .report_section import describe
 from .space import Space
 from .running_trial import SETTLE, RunningTrial
 from .trials import TrialBook
 from .trials_log import best_path, fit_resumed, read_resume, save_best
+
+# The search's phases, published in every decision and shown in the report as they are.
+WARMUP, TRIAL, RESTORE, FROZEN = "warmup", "trial", "restore", "frozen"
 
 
 class Autotuner:
     def __init__(self, session, timer, board):
         self.session, self.timer, self.board = session, timer, board
         self.cfg = cfg = session.policy.autotune
-        self.phase = "warmup"
+        self.phase = WARMUP
         self.until = max(1, cfg.warmup_steps)
         self.knobs = self.space = self.tuner = None
         self.left_out, self.notes = {}, []
@@ -61,11 +65,11 @@ class Autotuner:
         self._acc = timer.accumulator()
         self._step_time = None       # seconds per iteration, last measured: sizes the next trial
         self._ticks = timer.subscribe(self._tick)
-        session.add_report_section("autotune", self.describe)
+        session.add_report_section("autotune", lambda: describe(self))
 
     # -- the clock ---------------------------------------------------------------------------
     def _tick(self, timer):
-        if self.phase == "frozen":
+        if self.phase == FROZEN:
             return
         try:
             self._advance(timer.iteration)
@@ -75,12 +79,12 @@ class Autotuner:
     def _advance(self, it):
         if self.started is None:
             self.started = time.perf_counter()
-        if self.phase in ("trial", "restore") and self.knobs is not None:
+        if self.phase in (TRIAL, RESTORE) and self.knobs is not None:
             blocked = self.knobs.newly_blocked()     # every rank sees it at the same step
             if blocked:
                 self._agree_and_follow(it, lambda: self._abandon(it, blocked))
                 return
-        if self.phase == "trial" and self.current is not None:
+        if self.phase == TRIAL and self.current is not None:
             self._window(it)
         if it < self.until:
             return
@@ -110,12 +114,12 @@ class Autotuner:
 
     # -- rank 0 decides -----------------------------------------------------------------------
     def _decide(self, it):
-        if self.phase == "warmup":
+        if self.phase == WARMUP:
             left = self.cfg.warmup_seconds - (time.perf_counter() - self.started)
             if left > 0 or choosing_mode(self.session):
-                return {"phase": "warmup", "until": it + max(1, math.ceil(left / self._step_seconds()))}
+                return {"phase": WARMUP, "until": it + max(1, math.ceil(left / self._step_seconds()))}
             return self._begin(it)
-        if self.phase == "restore":
+        if self.phase == RESTORE:
             return self._next(it)
         return self._end_trial(it)
 
@@ -133,18 +137,18 @@ class Autotuner:
             self.notes.append("the mode knob leaves out " + "; ".join(
                 f"{m} ({why})" for m, why in self.knobs.ruled_out.items()))
         if self.resume_config is not None:
-            return {"phase": "frozen", "config": fit_resumed(self.resume_config, bounds, self.notes),
+            return {"phase": FROZEN, "config": fit_resumed(self.resume_config, bounds, self.notes),
                     "resumed": self.cfg.resume}
         if not bounds:
             self.notes.append("no knob applies to this run: nothing to tune")
-            return {"phase": "frozen", "config": {}}
+            return {"phase": FROZEN, "config": {}}
         self.space = Space(bounds)
         try:
             from .tuner import BayesTuner
             self.tuner = BayesTuner(self.space)
         except ImportError as e:
             self.notes.append(f"autotune needs bayesian-optimization (pip install 'autopatch[autotune]'): {e}")
-            return {"phase": "frozen", "config": {}}
+            return {"phase": FROZEN, "config": {}}
         batch = self.cfg.batch_size or score.detect_batch_size()
         self.samples_per_step = batch * dist.world_size() if batch else None
         if self.cfg.log_csv:
@@ -160,7 +164,7 @@ class Autotuner:
         windows = self.cfg.windows
         per_window = max(1, round(self.cfg.trial_seconds / windows / self._step_seconds()))
         incumbent = self.book.best["config"] if self.book.best else None
-        return {"phase": "trial", "trial": index, "config": config, "per_window": per_window,
+        return {"phase": TRIAL, "trial": index, "config": config, "per_window": per_window,
                 "incumbent": incumbent, "until": it + windows * (SETTLE + per_window)}
 
     def _end_trial(self, it):
@@ -180,7 +184,7 @@ class Autotuner:
     def _frozen(self, **extra):
         """The decision to stop searching and keep the best config so far."""
         best = self.book.best
-        return {"phase": "frozen", "config": self.book.fallback(), "trial": best["trial"] if best else None,
+        return {"phase": FROZEN, "config": self.book.fallback(), "trial": best["trial"] if best else None,
                 **extra}
 
     def _abandon(self, it, blocked):
@@ -191,9 +195,9 @@ class Autotuner:
         if self.tuner is not None:
             self.tuner.exclude("mode", set(blocked))
         cur = self.current
-        restore = {"phase": "restore", "config": self.book.fallback(), "until": it + SETTLE + 1}
+        restore = {"phase": RESTORE, "config": self.book.fallback(), "until": it + SETTLE + 1}
         if cur is None:
-            return restore if self.phase == "restore" else {"phase": self.phase, "until": self.until, "keep": True}
+            return restore if self.phase == RESTORE else {"phase": self.phase, "until": self.until, "keep": True}
         why = "; ".join(f"{m} became unsafe: {w}" for m, w in blocked.items())
         if cur.config.get("mode") in blocked:
             self.book.add_failed(cur.failed(it, why))
@@ -206,7 +210,7 @@ class Autotuner:
     # -- every rank follows -------------------------------------------------------------------
     def _follow(self, decision, it):
         self.phase, self.until = decision["phase"], decision.get("until")
-        if self.phase == "warmup" or decision.get("keep"):
+        if self.phase == WARMUP or decision.get("keep"):
             return
         if self.knobs is None:
             self.knobs = RunKnobs(self.session)
@@ -217,10 +221,10 @@ class Autotuner:
         self.knobs.resync()
         modes = self.knobs.apply(decision["config"])
         self.applied.append([it, decision["config"]])
-        if self.phase == "restore":
+        if self.phase == RESTORE:
             self.current = None
             return
-        if self.phase == "trial":
+        if self.phase == TRIAL:
             self.current = RunningTrial(decision, it, modes)
             self._acc.take()
             if self.board is not None:
@@ -256,7 +260,7 @@ class Autotuner:
         except Exception as e:
             reason += f"; applying {config} failed too ({type(e).__name__}: {e})"
             config = None
-        self.phase, self.current = "frozen", None
+        self.phase, self.current = FROZEN, None
         self.search_ended = time.perf_counter()
         self._ticks.remove()
         self._say_stopped(reason, config)
@@ -268,25 +272,3 @@ class Autotuner:
         if dist.is_decider():
             print(f"autopatch: autotune stopped after {len(self.book.trials)} trial(s): {reason}; {kept}",
                   file=sys.stderr)
-
-    # -- the report -------------------------------------------------------------------------
-    def describe(self):
-        out = {"active": True, "phase": self.phase, "applied": self.applied,
-               "left_out": self.left_out, "notes": self.notes}
-        if self.space is not None:
-            out.update(knobs=self.space.names, space_size=len(self.space.grid()),
-                       unit=score.unit(self.samples_per_step))
-        if self.knobs is not None and self.knobs.ruled_out:
-            out["ruled_out_modes"] = dict(self.knobs.ruled_out)
-        if self.failure:
-            out["failed"] = self.failure
-        out.update(self.book.describe())
-        if self.book.trials:
-            searched = None if self.search_started is None else \
-                (self.search_ended or time.perf_counter()) - self.search_started
-            out["cost"] = self.book.cost(searched, self.decision_seconds, self.samples_per_step)
-        out["best_json"] = self.best_path
-        if self.best_failed:
-            out["best_json_failed"] = self.best_failed
-        out["resumed_from"] = self.cfg.resume if self.resume_config is not None else None
-        return out

@@ -49,6 +49,7 @@ from .compression import checked
 from .hierarchy import node_groups
 from .layout_check import LayoutCheck
 from .sync_owner import changes_results
+from .used_params import UsedParameters, on_any_rank
 from .waiting import Waiter
 
 
@@ -76,6 +77,7 @@ class BucketedAllreduce:
         self.steps = 0
         self.layouts = 0
         self._armed = False
+        self.used = UsedParameters(len(self.params), group, self.device)   # as DDP counts them
         self._reset_step()
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
                        for i, p in enumerate(self.params)]
@@ -101,7 +103,7 @@ class BucketedAllreduce:
         n = len(self.params)
         self._in_backward = False
         self._first_order = []
-        self._used = [False] * n          # since the last synchronised backward, as DDP counts it
+        self.used.reset()                 # since the last synchronised backward
         self._contributed = [False] * n   # in this backward
         self.check.cancel()
         if self.buckets is not None:
@@ -109,7 +111,7 @@ class BucketedAllreduce:
         self._listener_error = None
 
     def _on_grad(self, i, param):
-        self._used[i] = True
+        self.used.mark(i)
         if not self._armed:
             return
         if not self._in_backward:
@@ -165,7 +167,7 @@ class BucketedAllreduce:
                 self._first_layout()
             missing = self._contribute_the_rest()
             self._launch(rest=True)
-            used = self._launch_used_bitmap() if self.find_unused else None
+            launched = self.used.launch_sum() if self.find_unused else None
             # Even when raising below, every wait happens: the other ranks' collectives must match.
             self.buckets.drain(self.waiter, None if missing or self.find_unused else self._finish)
             if missing:
@@ -174,7 +176,7 @@ class BucketedAllreduce:
                     f"step ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}). As with "
                     "DDP, a model with unused parameters needs DistributedDataParallel(..., "
                     "find_unused_parameters=True).")
-            used = self._globally_used(used)
+            used = on_any_rank(launched, self.waiter)
             for b in range(len(self.buckets)):
                 if not self.buckets.finished[b]:
                     self._finish(b, used)
@@ -227,22 +229,10 @@ class BucketedAllreduce:
         missing = []
         for i, p in enumerate(self.params):
             if not self._contributed[i]:
-                if p.grad is None and not self._used[i] and not self.find_unused:
+                if p.grad is None and not self.used[i] and not self.find_unused:
                     missing.append(self.names[i])
                 self._contribute(i)
         return missing
-
-    def _launch_used_bitmap(self):
-        used = torch.tensor(self._used, dtype=torch.int32, device=self.device)
-        return used, dist.all_reduce(used, group=self.group, async_op=True)
-
-    def _globally_used(self, launched):
-        """Per parameter: did any rank use it since the last synchronised step (None: all did)."""
-        if launched is None:
-            return None
-        counts, work = launched
-        self.waiter.wait(work, "the unused-parameter bitmap")
-        return [c > 0 for c in counts.tolist()]
 
     def _hands_over_early(self):
         """Buckets can be handed over while backward runs: someone listens, no bitmap to await,

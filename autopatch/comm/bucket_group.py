@@ -30,8 +30,9 @@ class BucketGroup:
         self.averager = Averager(group, settings.compression, nodes if settings.hierarchical else None)
         self.checksum = layout_checksum(params, self.buckets, world, settings.bucket_bytes,
                                         settings.compression, settings.hierarchical)
-        # what the layout check compares (the checksum), and shows when ranks disagree
-        self.row = [self.checksum, settings.bucket_bytes, len(self.buckets),
+        # the layout's description: what the layout check compares (the checksum), and shows when
+        # ranks disagree
+        self.description = [self.checksum, settings.bucket_bytes, len(self.buckets),
                     COMPRESSIONS.index(settings.compression), int(settings.hierarchical), len(params)]
         self.bytes_per_step = sum(self.averager.bytes_sent(torch.empty(b.numel, dtype=b.dtype, device="meta"))
                                   for b in self.buckets)

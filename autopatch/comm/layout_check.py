@@ -65,7 +65,7 @@ class LayoutCheck:
         wait(work, "the bucket layout check")
         digits = self._digits(buckets.checksum)
         if not torch.equal(header, digits.repeat(self.world)):
-            self._mismatch(buckets.row, wait)
+            self._mismatch(buckets.description, wait)
         self.agreed = buckets.checksum
         self.passed = True
 
@@ -83,15 +83,16 @@ class LayoutCheck:
         header[self.rank * DIGITS:(self.rank + 1) * DIGITS] = self._digits(checksum)
         return header
 
-    def _mismatch(self, row, wait):
-        """Every rank saw the disagreement: gather each one's layout, and say how they differ."""
-        mine = torch.tensor([row], dtype=torch.int64, device=self.device)
-        rows = torch.empty(self.world, len(row), dtype=torch.int64, device=self.device)
-        wait(all_gather_into(rows, mine, group=self.group, async_op=True), "the bucket layout description")
+    def _mismatch(self, description, wait):
+        """Every rank saw the disagreement: gather each one's layout description, and say how they
+        differ."""
+        mine = torch.tensor([description], dtype=torch.int64, device=self.device)
+        descriptions = torch.empty(self.world, len(description), dtype=torch.int64, device=self.device)
+        wait(all_gather_into(descriptions, mine, group=self.group, async_op=True), "the bucket layout description")
         described = "; ".join(
             f"rank {r}: {n} buckets of {size} bytes over {params} params, compression "
             f"{COMPRESSIONS[comp]}, hierarchical {'on' if hier else 'off'}, checksum {ck:#018x}"
-            for r, (ck, size, n, comp, hier, params) in enumerate(rows.tolist()))
+            for r, (ck, size, n, comp, hier, params) in enumerate(descriptions.tolist()))
         raise LayoutMismatch(
             f"autopatch allreduce: ranks disagree on the bucket layout ({described}). Every rank "
             "must train the same model under the same policy, and set_bucket_bytes / "

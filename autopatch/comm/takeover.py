@@ -29,7 +29,6 @@ model, handing it back and ``remove()`` close its algorithm; the report's entrie
 (``takeover_log.py``) outlive the models.
 """
 
-import collections
 import dataclasses
 import warnings
 import weakref
@@ -37,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.utils.hooks import RemovableHandle
 
+from ..listeners import Listeners
 from ..policy import PolicyError, check_setting
 from ..topology import topology, why_not_hierarchical
 from ..torch_internals import applied_in_backward, ddp_reducer_params, ddp_unsupported
@@ -109,8 +108,7 @@ class DDPTakeover:
         self.algorithms = ModelAlgorithms(self._dropped, stands_for)
         self.log = TakeoverLog(warn)
         self.topology = None     # the job's nodes, once a model over the whole world was built
-        # on_averaged() callbacks by handle id; torch's RemovableHandle needs a weakref-able dict
-        self._listeners = collections.OrderedDict()
+        self.averaged = Listeners()      # fn(params) of every on_averaged() subscriber
 
     # -- backward fusion's view ------------------------------------------------------------------
     def _running(self):
@@ -125,13 +123,7 @@ class DDPTakeover:
     def on_averaged(self, fn):
         """Call ``fn(params)`` whenever the averaged gradients of ``params`` are final, inside
         backward. Returns a handle whose ``remove()`` stops it."""
-        handle = RemovableHandle(self._listeners)
-        self._listeners[handle.id] = fn
-        return handle
-
-    def _averaged(self, params):
-        for fn in list(self._listeners.values()):
-            fn(params)
+        return self.averaged.subscribe(fn)
 
     def install(self, distributed_module):
         self.patch.install(distributed_module)
@@ -160,7 +152,7 @@ class DDPTakeover:
                 reducer = BucketedAllreduce(
                     params, [name_of.get(id(p), "?") for p in params], ddp.process_group, settings,
                     timeout_seconds=self.timeout_seconds, find_unused=ddp.find_unused_parameters,
-                    on_averaged=self._averaged)
+                    on_averaged=self.averaged)
                 algorithm = self.choice.build(params, ddp.process_group, self.timeout_seconds)
         except PolicyError:      # settings this world cannot run: every rank raises here alike
             if reducer is not None:

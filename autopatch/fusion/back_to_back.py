@@ -6,6 +6,7 @@ anything. Parameters whose memory overlaps another's never count: moving or step
 would split an alias.
 """
 
+from ..storage_extent import storage_extent
 from .flattenable import foreign_memory, unfusable_param
 from .flat_run import state_signature, unflattenable_state
 
@@ -38,7 +39,7 @@ def _overlapping(groups):
     for g in groups:
         for p in g["params"]:
             if p.numel() and not foreign_memory(p):   # never read a storage that is not there
-                elems = 1 + sum((n - 1) * s for n, s in zip(p.shape, p.stride()))
+                elems = storage_extent(p.shape, p.stride())
                 size = p.element_size()
                 spans.append((p.untyped_storage().data_ptr(), p.storage_offset() * size, elems * size, p))
     spans.sort(key=lambda s: s[:3])

@@ -15,6 +15,7 @@ strided slice, an expanded tensor) has no such range and is stepped per tensor.
 
 import torch
 
+from ..storage_extent import storage_extent
 from ..torch_internals import fsdp1_flat, is_dtensor
 
 
@@ -63,16 +64,9 @@ def foreign_memory(p):
         nbytes = p.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError) as e:   # storage of an unusual tensor type
         return f"storage cannot be read ({type(e).__name__})"
-    if nbytes < (p.storage_offset() + _extent(p)) * p.element_size():
+    if nbytes < (p.storage_offset() + storage_extent(p.shape, p.stride())) * p.element_size():
         return "storage is freed or smaller than the parameter (resized)"
     return None
-
-
-def _extent(p):
-    """Elements from the first to one past the last that ``p`` addresses."""
-    if p.numel() == 0:
-        return 0
-    return 1 + sum((n - 1) * s for n, s in zip(p.shape, p.stride()))
 
 
 def holds_dtensors(opt):

@@ -99,7 +99,7 @@ class FlatPlanner:
         groups = []
         for group in self.opt.param_groups:
             plan = GroupPlan(group)
-            buckets = {}
+            by_kind = {}     # (dtype, device, state signature) -> its parameters, in order
             for p in group["params"]:
                 why = self._eligible_with(p, storage_users)
                 sig = None if why else state_signature(p, self.opt.state.get(p, {}))
@@ -108,14 +108,14 @@ class FlatPlanner:
                 if why:
                     self._exclude(plan, p, why)
                     continue
-                buckets.setdefault((p.dtype, p.device, sig), []).append(p)
-            groups.append((plan, buckets))
-        fused = [p for _, buckets in groups for params in buckets.values() for p in params]
+                by_kind.setdefault((p.dtype, p.device, sig), []).append(p)
+            groups.append((plan, by_kind))
+        fused = [p for _, by_kind in groups for params in by_kind.values() for p in params]
         fused_bytes = sum(p.numel() * p.element_size() for p in fused)
         self.chunk_bytes_used = bounded_chunk_bytes(self.chunk_bytes, fused_bytes)
         kept = smallest_share(fused, fused_bytes)
-        for plan, buckets in groups:
-            for (_, _, sig), params in buckets.items():
+        for plan, by_kind in groups:
+            for (_, _, sig), params in by_kind.items():
                 for keep in (True, False):
                     share = [p for p in params if (id(p) in kept) == keep]
                     if share:

@@ -116,7 +116,7 @@ class Algorithm:
 
     def setting(self, key, value):
         """``value`` for the policy setting ``key`` of this algorithm, checked by its declaration
-        (policy.py), so a value means the same here as in a policy file."""
+        (policy/settings.py), so a value means the same here as in a policy file."""
         return check_algorithm_setting(self.name, key, value, f"autopatch {self.name}")
 
     def gradient_sync(self):

@@ -1,9 +1,9 @@
 """Averaging a list of tensors in place across ranks, compressed, with the allreduce's machinery.
 
-The tensors are packed into one flat buffer per dtype, cut into buckets of ``bucket_elements``,
-and every bucket goes through ``averager.Averager``: for ``minmax_uint8`` that is ByteGrad's
+The tensors are packed into one flat buffer per dtype, cut into slices of ``slice_elements``,
+and every slice goes through ``averager.Averager``: for ``minmax_uint8`` that is ByteGrad's
 scatter-gather, with a min and max per ``row`` values (``row_codes.DEFAULT_ROW``), so few
-values share one code step however large the buckets. Buckets are large: every bucket costs two
+values share one code step however large the slices. Slices are large: every slice costs two
 collectives, whose latency, not their bytes, dominated with small ones on a fast link.
 """
 
@@ -17,19 +17,19 @@ from ..waiting import start
 from .row_codes import DEFAULT_ROW
 from .flat_tensors import FlatTensors
 
-DEFAULT_BUCKET_ELEMENTS = 2**24
+DEFAULT_SLICE_ELEMENTS = 2**24
 
 
 class CompressedAverage:
     def __init__(self, group, device, waiter, *, compression="minmax_uint8", hierarchical=False,
-                 bucket_elements=DEFAULT_BUCKET_ELEMENTS, row=DEFAULT_ROW):
+                 slice_elements=DEFAULT_SLICE_ELEMENTS, row=DEFAULT_ROW):
         why = why_not_hierarchical(group) if hierarchical else None
         if why:
             raise ValueError(f"hierarchical=True: {why}")
         self.world = dist.get_world_size(group)
         self.averager = Averager(group, checked(compression), node_groups() if hierarchical else None, row)
         self.waiter = waiter
-        self.bucket_elements = bucket_elements
+        self.slice_elements = slice_elements
         self.bytes_sent = 0
 
     def __call__(self, tensors, what="the average"):
@@ -40,9 +40,9 @@ class CompressedAverage:
         started = []
         for f in flats:
             f.mul_(1.0 / self.world)     # the Averager sums: pre-scaled, the sum is the average
-            for bucket in f.split(self.bucket_elements):
-                self.bytes_sent += self.averager.bytes_sent(bucket)
-                started.append(start(self.averager.stages(bucket)))
+            for piece in f.split(self.slice_elements):
+                self.bytes_sent += self.averager.bytes_sent(piece)
+                started.append(start(self.averager.stages(piece)))
         self.waiter.drain(started, what)
         if flat is not None:
             flat.scatter(flats)

@@ -46,7 +46,7 @@ from ...policy import check_algorithm_setting
 from ...torch_internals import group_timeout, unhooked_step
 from ..waiting import Waiter
 from .base import Algorithm, whole_number
-from .compressed_average import DEFAULT_BUCKET_ELEMENTS, CompressedAverage
+from .compressed_average import DEFAULT_SLICE_ELEMENTS, CompressedAverage
 
 
 # The step count a parameter's second moment froze at, kept in the optimizer's own state: it is
@@ -182,11 +182,11 @@ class QAdamOptimizer(torch.optim.Adam):
 
     def __init__(self, params, lr=1e-3, warmup_steps=100, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  *, process_group=None, hierarchical=False, compression="minmax_uint8",
-                 bucket_elements=DEFAULT_BUCKET_ELEMENTS, timeout_seconds=None):
+                 slice_elements=DEFAULT_SLICE_ELEMENTS, timeout_seconds=None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.warmup_steps = check_algorithm_setting("qadam", "warmup_steps", warmup_steps, "QAdamOptimizer")
         self.steps_taken = 0
-        self._average = dict(compression=compression, hierarchical=hierarchical, bucket_elements=bucket_elements)
+        self._average = dict(compression=compression, hierarchical=hierarchical, slice_elements=slice_elements)
         self._group = process_group
         self._timeout_seconds = timeout_seconds
         self._after_warmup = None
@@ -233,11 +233,11 @@ class QAdam(Algorithm):
     fusion_refusal = "after warm-up qadam steps the optimizer itself (its step is not fused)"
 
     def __init__(self, params, group, *, warmup_steps=100, hierarchical=False, compression="minmax_uint8",
-                 bucket_elements=DEFAULT_BUCKET_ELEMENTS, timeout_seconds=None):
+                 slice_elements=DEFAULT_SLICE_ELEMENTS, timeout_seconds=None):
         super().__init__(params, group, timeout_seconds=timeout_seconds)
         self.warmup_steps = self.setting("warmup_steps", warmup_steps)
         self.options = {"hierarchical": bool(hierarchical), "compression": compression,
-                        "bucket_elements": whole_number("bucket_elements", bucket_elements, 1)}
+                        "slice_elements": whole_number("slice_elements", slice_elements, 1)}
         self.average = CompressedAverage(group, self.params[0].device, self.waiter, **self.options)
         self.update = FrozenVarianceAdam(self._average_moments)
 
