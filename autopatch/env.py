@@ -13,7 +13,7 @@ CHUNK_BYTES = "FUSEDOPT_CHUNK_BYTES"  # overrides fusion.chunk_bytes
 EXACT = "FUSEDOPT_EXACT"          # overrides fusion.exact: bitwise or rounding
 LOGDIR = "FUSEDOPT_LOGDIR"        # overrides logging.tensorboard_dir
 REPORT = "FUSEDOPT_REPORT"        # overrides logging.report: JSON report path, "{rank}" expanded
-BREAKDOWN = "FUSEDOPT_BREAKDOWN"  # overrides logging.breakdown: 1 measures the per-step breakdown
+BREAKDOWN = "FUSEDOPT_BREAKDOWN"  # overrides logging.breakdown: 0 turns the per-step breakdown off
 AUTOTUNE = "FUSEDOPT_AUTOTUNE"    # overrides autotune.enabled
 AUTOTUNE_RESUME = "FUSEDOPT_AUTOTUNE_RESUME"  # overrides autotune.resume
 # The forms of Bagua's autotune flags that `autopatch run` passes on to every process it starts:

@@ -185,7 +185,7 @@ class Logging:
     tensorboard_dir: object = setting(None, optional_path, "TensorBoard log directory")
     report: object = setting(None, optional_path, "JSON report path; {rank} becomes the rank")
     summary: bool = setting(True, typed(bool), "the summary on stderr at exit")
-    breakdown: bool = setting(False, typed(bool), "where each step's time goes, and advice, in the report")
+    breakdown: bool = setting(True, typed(bool), "where each step's time goes, and advice, in the report")
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,16 @@
 """Forward and backward seconds of each training iteration, seen at a few points per iteration.
 
-- forward begins at the first module call after the last backward (or the last step): a global
-  forward pre-hook that removes itself when it fires, so every other module call takes torch's
-  hook-free path; it is armed again when a backward ends and at each step;
-- forward ends, and backward begins, when ``torch.autograd.backward`` is called (``loss.backward()``
-  calls it); backward ends when it returns. Only the outermost call counts (a reentrant checkpoint
-  calls it again inside backward);
-- time counted elsewhere is taken out where it happened: batches waited for inside a forward span
-  (an evaluation loop between two backwards), collectives waited for inside backward (autopatch's
-  allreduce finishes there), and everything measured inside an optimizer's ``step()`` (a closure
-  runs forward and backward there), so that the optimizer's share is its own.
+- forward runs from the end of the last backward or step (or its start, for a closure's forward)
+  to the next call of
+  ``torch.autograd.backward`` (``loss.backward()`` calls it), less the batches waited for in
+  between: the model's forward, the loss, and what the loop does before them (``zero_grad``,
+  moving the batch to its device). No module hook is needed for it, so module calls keep torch's
+  hook-free path and nothing of autopatch's stays in torch's global hooks between steps;
+- backward runs from that call until it returns. Only the outermost call counts (a reentrant
+  checkpoint calls it again inside backward);
+- time counted elsewhere is taken out where it happened: collectives waited for inside backward
+  (autopatch's allreduce finishes there), and everything measured inside an optimizer's ``step()``
+  (a closure runs forward and backward there), so that the optimizer's share is its own.
 
 ``counters()`` gives the running totals ``(communication wait, data wait)`` in seconds.
 """
@@ -32,21 +33,12 @@ class PhaseClock:
         self._data_at_start = 0.0
         self._step_start = None
         self._depth = 0
-        self._hook = None
-        self._begin = self._forward_begins    # one bound method: the same hook object each time
-        self._modules = sys.modules["torch.nn.modules.module"]
         self._ledger = Ledger()
         autograd = sys.modules["torch.autograd"]
         self._ledger.replace(autograd, "backward", self._timed(vars(autograd)["backward"]))
-        self._arm()
+        self._forward_begins()
 
-    def _arm(self):
-        if self._hook is None:
-            self._hook = self._modules.register_module_forward_pre_hook(self._begin)
-
-    def _forward_begins(self, module, args):
-        self._hook.remove()
-        self._hook = None
+    def _forward_begins(self):
         self._forward_start = time.perf_counter()
         self._data_at_start = self._counters()[1]
 
@@ -57,9 +49,7 @@ class PhaseClock:
                 return backward(*args, **kwargs)
             t0 = time.perf_counter()
             comm0, data0 = self._counters()
-            if self._forward_start is not None:
-                self.forward += max(0.0, t0 - self._forward_start - (data0 - self._data_at_start))
-                self._forward_start = None
+            self.forward += max(0.0, t0 - self._forward_start - (data0 - self._data_at_start))
             self._depth = 1
             try:
                 return backward(*args, **kwargs)
@@ -67,13 +57,14 @@ class PhaseClock:
                 self._depth = 0
                 self.backward += max(0.0, time.perf_counter() - t0 - (self._counters()[0] - comm0))
                 self.backwards += 1
-                self._arm()
+                self._forward_begins()
         return timed_backward
 
     def step_begins(self):
         if self._step_start is None:
             comm, data = self._counters()
             self._step_start = (comm + data, self.forward + self.backward)
+            self._forward_begins()     # a closure's forward starts inside the step
 
     def step_ends(self):
         if self._step_start is not None:
@@ -81,19 +72,16 @@ class PhaseClock:
             comm, data = self._counters()
             self.in_steps += (comm + data - counted) + (self.forward + self.backward - spans)
             self._step_start = None
+            self._forward_begins()
 
     def take(self):
         """This iteration's (forward, backward, seconds inside steps, backward calls); starts the next.
-        A forward still open (no backward followed it) is dropped: its time stays in 'other'."""
+        A forward still open (no backward followed it) stays in 'other'."""
         out = (self.forward, self.backward, self.in_steps, self.backwards)
         self.forward = self.backward = self.in_steps = 0.0
         self.backwards = 0
-        self._forward_start = None
-        self._arm()
+        self._forward_begins()
         return out
 
     def close(self):
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
         self._ledger.uninstall()

@@ -9,7 +9,7 @@ backward, and autopatch choosing, probing and switching modes), communication wa
 (zero_grad, the loss, logging). What the timer and its listeners (switching, TensorBoard, the
 autotuner) take between two iterations is counted apart, as autopatch's own (``own``): it is not
 in the iteration's ``seconds``, which stay the training's alone for the autotuner's scores.
-Forward and backward are seen only when a breakdown is wanted. The timer listens to the session's
+Forward and backward are seen only when a breakdown is wanted (the default). The timer listens to the session's
 ``step`` event; its own listeners hear of each finished iteration, ``last`` holding it.
 """
 
@@ -34,9 +34,8 @@ class Window:
     seen_forward: bool = False
 
     def add(self, other):
-        for f in fields(self):
-            if f.name != "seen_forward":
-                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name in SUMMED:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         self.seen_forward |= other.seen_forward
 
     def breakdown_ms(self):
@@ -57,6 +56,9 @@ class Window:
         else:
             out["compute"] = ms(max(0.0, rest))
         return out
+
+
+SUMMED = tuple(f.name for f in fields(Window) if f.name != "seen_forward")
 
 
 class Accumulator:

@@ -1,5 +1,5 @@
 """What watches the training iterations, built only when the policy asks: the step timer (for the
-report's breakdown, when asked), the TensorBoard writer (rank 0) and the autotuner. ``attach``
+report's breakdown, on by default), the TensorBoard writer (rank 0) and the autotuner. ``attach``
 returns the function that takes them down."""
 
 
