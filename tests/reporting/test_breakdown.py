@@ -68,19 +68,31 @@ def test_many_small_tensors_stepped_through_a_closure_make_the_optimizer_the_lar
     assert "instead of passing step() a closure" in advice
 
 
+def global_module_hooks():
+    from torch.nn.modules import module
+    return [len(getattr(module, name)) for name in dir(module) if name.startswith("_global_") and name.endswith("hooks")]
+
+
 def test_a_run_where_nothing_stands_out_gives_no_advice(ap, one_thread):
-    ap.enable(logging={"breakdown": True})
+    """The breakdown is on by default and needs no module hook: torch's global module hooks stay
+    empty between steps (mode multi_layer, as mode forward applies its deferred updates from one),
+    and every part's share is measured."""
+    ap.enable(mode="multi_layer")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(64, 32), torch.randint(0, 3, (64,))
+    assert not any(global_module_hooks())
     for _ in range(30):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+        assert not any(global_module_hooks())
     report = ap.report()
     b = report["breakdown"]
     assert b["steps"] == 29 and "unseen_backward_steps" not in b
+    assert all(b["share"][part] > 0 for part in ("forward", "backward", "optimizer"))
+    assert abs(sum(b["share"].values()) - 1) < 0.01, b["share"]
     assert set(b["share"]) == {"data", "forward", "backward", "optimizer", "comm", "autopatch", "other"}
     assert b["share"]["data"] == 0 and b["share"]["comm"] == 0
     assert report["advice"] == []
