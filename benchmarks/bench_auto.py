@@ -11,11 +11,17 @@ figures are medians of per-round ratios:
 - ``short``: 60-step runs of 8 x Linear(1024) with AdamW and of 100 residual blocks (400 tensors)
   with the hand-written BertAdam; the second half's time against unpatched's;
 - ``matmul``: a 300-step run whose step is one large matmul (no mode can be much faster): what
-  measuring costs, against unpatched's time.
+  measuring costs, against unpatched's time;
+- ``steady``: 400-step runs of the 400-tensor model with BertAdam, unpatched, auto and
+  ``multi_layer`` named from the start: the median step of the second half (long after auto has
+  decided), on the wall clock and on the training thread's CPU clock (which leaves out waiting
+  for a core on a loaded machine). Whatever auto keeps after deciding would show here as auto
+  slower than the mode it chose, named.
 
     python benchmarks/bench_auto.py            # every part, 5 rounds
     python benchmarks/bench_auto.py --quick    # one round of smaller runs
     python benchmarks/bench_auto.py --parts short --named   # and what each mode named gives
+    python benchmarks/bench_auto.py --parts steady --rounds 3   # auto after it decides
 """
 
 import argparse
@@ -37,7 +43,8 @@ from harness.report import markdown  # noqa: E402
 
 EXAMPLE = HERE.parent / "examples" / "train_mlp.py"
 FUSED = ("multi_layer", "backward", "forward")
-TARGETS = {"decided_by": 50, "quickstart": 1.10, "wide_mlp": 1.02, "many_small": 0.55, "matmul": 1.02}
+TARGETS = {"decided_by": 50, "quickstart": 1.10, "wide_mlp": 1.02, "many_small": 0.55, "matmul": 1.02,
+           "steady": 0.50, "steady_vs_named": 1.02}
 
 
 # -- one run, in the child process (``--run``) -----------------------------------------------------
@@ -63,15 +70,17 @@ def run_one(name, steps, out):
     """Train ``steps`` steps of ``name``; write each step's seconds and auto's figures to ``out``."""
     import autopatch
     model, opt, (x, y), loss_fn = workload(name)
-    seconds = []
+    seconds, cpu_seconds = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
         seconds.append(time.perf_counter() - t0)
+        cpu_seconds.append(time.thread_time() - c0)
     entry = autopatch.report()["optimizers"][0] if autopatch.is_enabled() else {}
-    Path(out).write_text(json.dumps({"seconds": seconds, "auto": entry.get("auto", {}), "mode": entry.get("mode")}))
+    Path(out).write_text(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "auto": entry.get("auto", {}),
+                                     "mode": entry.get("mode")}))
 
 
 # -- the parent ----------------------------------------------------------------------------------
@@ -125,6 +134,32 @@ def timed_runs(name, steps, rounds, tmp, keep, named=()):
             "named": {mode: [m / u for m, u in zip(got[mode], got["unpatched"])] for mode in named}}
 
 
+def steady(rounds, steps, tmp):
+    """Unpatched, auto and multi_layer named, in turns: per run, the median step of its second
+    half on each clock; per round, auto's and multi_layer's over unpatched's and auto's over
+    multi_layer's."""
+    contenders = ("unpatched", "auto", "multi_layer")
+    median_step = {clock: {c: [] for c in contenders} for clock in ("seconds", "cpu_seconds")}
+    decided, chosen = [], []
+    for r, c in turns(contenders, rounds):
+        out = tmp / f"steady-{r}-{c}.out"
+        launch([__file__, "--run", "many_small", "--steps", steps, "--out", out], c, tmp, f"steady-{r}-{c}")
+        rec = json.loads(out.read_text())
+        for clock, runs in median_step.items():
+            runs[c].append(statistics.median(rec[clock][steps // 2:]))
+        if c == "auto":
+            decided.append(rec["auto"].get("decided_at_step"))
+            chosen.append(rec["mode"])
+    figures = {}
+    for clock, runs in median_step.items():
+        u, a, m = runs["unpatched"], runs["auto"], runs["multi_layer"]
+        figures[clock] = {"ms": {c: [round(1e3 * x, 2) for x in v] for c, v in runs.items()},
+                          "auto_vs_unpatched": [x / y for x, y in zip(a, u)],
+                          "named_vs_unpatched": [x / y for x, y in zip(m, u)],
+                          "auto_vs_named": [x / y for x, y in zip(a, m)]}
+    return {"figures": figures, "decided_at_step": decided, "chosen": chosen}
+
+
 def fmt_ratios(values):
     lo, hi = quartiles(values)
     return f"{statistics.median(values):.3f} ({lo:.3f}-{hi:.3f})"
@@ -172,6 +207,19 @@ def main():
             rows.append(["300 steps, one Linear(1024) at batch 512 (no mode faster): whole run vs unpatched",
                          fmt_ratios(m["ratios"]), f"<= {TARGETS['matmul']}",
                          f"decided at steps {m['decided_at_step']}; unpatched {m['unpatched_s']:.1f} s"])
+        if "steady" in parts:
+            steps = 100 if args.quick else 400
+            st = steady(rounds, steps, tmp)
+            for clock, name in (("seconds", "wall clock"), ("cpu_seconds", "CPU clock")):
+                f = st["figures"][clock]
+                ms = ", ".join(f"{c} {statistics.median(v):.2f}" for c, v in f["ms"].items())
+                rows.append([f"{steps} steps, 400 tensors, BertAdam, second half ({name}): auto vs unpatched",
+                             fmt_ratios(f["auto_vs_unpatched"]), f"<= {TARGETS['steady']}",
+                             f"multi_layer named {fmt_ratios(f['named_vs_unpatched'])}; median step ms: {ms}"])
+                rows.append([f"same ({name}): auto vs multi_layer named", fmt_ratios(f["auto_vs_named"]),
+                             f"<= {TARGETS['steady_vs_named']}",
+                             f"auto chose {st['chosen']}, decided at steps {st['decided_at_step']}"])
+            print(json.dumps(st, indent=1))
     print()
     print(markdown(["what", "auto (median, quartiles)", "target", "notes"], rows))
     print(closing(started))

@@ -55,9 +55,12 @@ class BackwardFusion(Strategy):
         self.planner = FlatPlanner(optimizer, min(int(chunk_bytes), BACKWARD_WINDOW), align=True,
                                    owned_storages=owned_storages)
         self.averaged_by = averaged_by
-        self.hooks = []
+        self.hooks = []        # the handles of the hooks armed now (one list, emptied in place)
         # A freed optimizer's hooks go with it: the parameters it updated live on in the model.
-        self._freed = weakref.finalize(optimizer, self._unhook)
+        # Only the handles are held there, never this strategy: one whose mode was left (mode
+        # auto's race leaves several) goes with its plan, flat gradient buffers and views, and
+        # does not live as long as the optimizer.
+        self._freed = weakref.finalize(optimizer, _remove_all, self.hooks)
         self.scratch = {}      # (dtype, device) -> a buffer of the longest gathered chunk
         self.units = []        # chunk index -> (group index, run, chunk index in run)
         self.unit_of = []      # slot (a fused parameter) -> its chunk's index in units
@@ -101,9 +104,8 @@ class BackwardFusion(Strategy):
         self.armed = True
 
     def _unhook(self):
-        for h in self.hooks:
-            h.remove()
-        self.hooks, self.units, self.unit_of, self.slot_of, self.sizes = [], [], [], {}, []
+        _remove_all(self.hooks)
+        self.units, self.unit_of, self.slot_of, self.sizes = [], [], {}, []
         self.scratch = {}
         self.armed = False
 
@@ -199,6 +201,7 @@ class BackwardFusion(Strategy):
         self.flush()
         self.lists.restore()
         self._unhook()
+        self._freed.detach()
         self.planner.mark_stale()
 
     def invalidate(self):
@@ -218,3 +221,9 @@ class BackwardFusion(Strategy):
     def describe(self):
         return dict(self.planner.layout(), chunk_updates_in_backward=self.in_backward,
                     leftover_steps=self.leftover_steps)
+
+
+def _remove_all(hooks):
+    for h in hooks:
+        h.remove()
+    hooks.clear()

@@ -45,6 +45,7 @@ class ForwardFusion(PlannedStrategy):
         self.applying = False  # inside _apply: reads of the optimizer's state apply nothing more
         self.holding = None    # the optimizer, held strongly while its updates wait (see _hold)
         self.modules = weakref.WeakSet()   # the modules whose forward applied this optimizer's updates
+        self.module_finalizers = []        # one per such module: its death may end the holding
         self.deferred = 0
         self.applied_in_forward = 0
         self.fallback_steps = 0
@@ -91,7 +92,7 @@ class ForwardFusion(PlannedStrategy):
     def _met(self, module):
         if module not in self.modules:
             self.modules.add(module)
-            weakref.finalize(module, _module_gone, weakref.ref(self))
+            self.module_finalizers.append(weakref.finalize(module, _module_gone, weakref.ref(self)))
 
     def after_step(self):
         self.lists.restore()
@@ -156,6 +157,9 @@ class ForwardFusion(PlannedStrategy):
         self.flush()
         plain_reads(self.opt)
         self.planner.mark_stale()
+        for finalizer in self.module_finalizers:     # nothing is held once the mode is left
+            finalizer.detach()
+        self.module_finalizers = []
 
     def describe(self):
         return dict(self.planner.layout(), deferred_steps=self.deferred,

@@ -5,12 +5,25 @@ An optimizer over DTensors (FSDP2, tensor parallel) steps its plain local shards
 optimizer gets the flat-buffer strategy of its mode.
 """
 
+import weakref
+
 from ..vocabulary import BACKWARD, FORWARD, MULTI_LAYER
 from .backward import BackwardFusion
 from .flattenable import holds_dtensors
 from .forward import ForwardFusion
 from .local_shards import LocalShardStep
 from .multi_layer import MultiLayerStep
+
+
+# strategy -> (a weak reference to its optimizer, its mode), held weakly: those still alive
+_built = weakref.WeakKeyDictionary()
+
+
+def alive(opt):
+    """The modes of the strategies built for ``opt`` that are still alive, sorted. A mode left
+    (a switch, mode auto's race) must leave nothing behind: its hooks would cost every step and
+    its flat buffers memory, so once a switch is over this is the active mode's alone."""
+    return sorted(mode for ref, mode in list(_built.values()) if ref() is opt)
 
 
 def build(mode, opt, chunk_bytes, *, owned_storages, route, averaged_by=None, strict=False):
@@ -22,6 +35,12 @@ def build(mode, opt, chunk_bytes, *, owned_storages, route, averaged_by=None, st
     bucket's gradients are averaged; ``strict``: backward fusion raises on accumulation (the user
     named the mode) instead of stepping the rest unfused and saying why.
     """
+    strategy = _strategy(mode, opt, chunk_bytes, owned_storages, route, averaged_by, strict)
+    _built[strategy] = (weakref.ref(opt), mode)
+    return strategy
+
+
+def _strategy(mode, opt, chunk_bytes, owned_storages, route, averaged_by, strict):
     if mode == MULTI_LAYER:
         if holds_dtensors(opt):
             return LocalShardStep(opt, chunk_bytes)
