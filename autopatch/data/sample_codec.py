@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from ..storage_extent import storage_extent
+
 __all__ = ["encode", "decode", "Unstorable", "Undecodable", "STORED_KINDS"]
 
 STORED_KINDS = ("tensors, NumPy arrays and scalars, numbers, strings, bytes, None, and lists, tuples "
@@ -91,7 +93,7 @@ def _encode_tensor(t, out):
             or t.is_neg() or t.grad_fn is not None or any(getattr(t, "names", ()))):
         raise Unstorable(f"the sample holds a tensor the cache cannot store exactly "
                          f"({t.device.type}, {t.layout}, {'non-leaf' if t.grad_fn else 'tagged'})")
-    span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    span = storage_extent(t.shape, t.stride())
     size = t.element_size()
     window = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), t.storage_offset() * size,
                                                     (span * size,), (1,))
@@ -214,10 +216,7 @@ def _decode_tensor(r):
     if min(shape + stride, default=0) < 0:
         raise Undecodable("a negative size or stride")
     size = torch.empty(0, dtype=dtype).element_size()
-    numel = 1
-    for n in shape:
-        numel *= n
-    span = 0 if numel == 0 else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+    span = storage_extent(shape, stride)
     if span * size != len(data):
         raise Undecodable(f"a tensor of {span} elements of {size} bytes stored in {len(data)} bytes")
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)

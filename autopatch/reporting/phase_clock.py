@@ -72,15 +72,15 @@ class PhaseClock:
             comm, data = self._counters()
             self.in_steps += (comm + data - counted) + (self.forward + self.backward - spans)
             self._step_start = None
-            self._forward_begins()
+        self._forward_begins()
 
     def take(self):
-        """This iteration's (forward, backward, seconds inside steps, backward calls); starts the next.
+        """This iteration's (forward, backward, seconds inside steps, backward calls); starts the
+        next, whose forward ``step_ends()`` (called just before, at the step) began.
         A forward still open (no backward followed it) stays in 'other'."""
         out = (self.forward, self.backward, self.in_steps, self.backwards)
         self.forward = self.backward = self.in_steps = 0.0
         self.backwards = 0
-        self._forward_begins()
         return out
 
     def close(self):
