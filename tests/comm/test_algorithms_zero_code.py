@@ -45,11 +45,13 @@ def zero_code(tmp_path, world=4, policy=None, yaml=None, timeout=150, **env):
     return [dict(r.results, stderr=r.stderr) for r in ranks]
 
 
-def check_learned_and_closed(ranks, name):
-    """Within 1.5 points of DDP (means over ranks), the algorithm named in the report and the exit
-    summary, every rank's process left with nothing of autopatch running or patched after
-    disable()."""
-    accuracy = statistics.mean(r["accuracy"] for r in ranks)
+def check_learned_and_closed(ranks, name, when="trained"):
+    """Within 1.5 points of DDP (means over ranks) when ``trained`` or, for an algorithm whose
+    closing round leaves every rank the average, once ``closed``; the algorithm named in the
+    report and the exit summary, every rank's process left with nothing of autopatch running or
+    patched after disable()."""
+    accuracy = statistics.mean(r["accuracy"] if when == "trained" else r["after_disable"]["accuracy"]
+                               for r in ranks)
     baseline = statistics.mean(r["baseline"] for r in ranks)
     assert baseline > 90 and accuracy >= baseline - 1.5, (name, accuracy, baseline)
     for r in ranks:
@@ -116,7 +118,10 @@ def test_async_under_multi_layer(tmp_path):
     often = builtin_with("async", ("sync_interval_ms: 500", "sync_interval_ms: 5"),
                          ("warmup_steps: null", "warmup_steps: 17"))
     ranks = zero_code(tmp_path, yaml=often, FUSEDOPT_MODE="multi_layer", DIGITS_STEP_PAUSE=0.002)
-    for r, algorithm in zip(ranks, check_learned_and_closed(ranks, "async")):
+    # Each rank's own model drifts from the others' between rounds, the more so the busier the
+    # machine (one rank at 90.7 against the others' 93.6 with DDP at 94.5, on 2 cores); what
+    # training leaves is the average the closing round gives every rank.
+    for r, algorithm in zip(ranks, check_learned_and_closed(ranks, "async", when="closed")):
         assert algorithm["state"] == "averaging", algorithm
         assert r["report"]["optimizers"][0]["mode"] == "multi_layer"
         closed = r["after_disable"]["report"]["models"][0]["algorithm"]
