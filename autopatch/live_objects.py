@@ -1,4 +1,6 @@
-"""The instances of a class alive in the process: what autopatch adopts when enabled late.
+"""The instances of a class alive in the process (autotune reads the batch size of the live
+DataLoaders when its search starts; optimizers and DDP models built before ``enable()`` are adopted
+when next used instead, which costs no scan).
 
 One pass over the garbage collector's objects, testing each object's exact type against the set of
 the class and its subclasses (a set lookup; ``issubclass`` or an MRO walk per object costs seconds

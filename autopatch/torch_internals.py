@@ -116,21 +116,24 @@ def wrapped_optimizer(obj):
 class global_optimizer_hooks_silenced:
     """``with global_optimizer_hooks_silenced():`` the hooks registered with
     ``register_optimizer_step_pre_hook`` / ``_post_hook`` do not fire (autopatch's own steps of
-    throw-away copies are not the user's steps); they are all back afterwards."""
+    throw-away copies are not the user's steps); they are all back afterwards. The module's
+    dictionaries are swapped for empty ones, never emptied: a user's step that is iterating them
+    (autopatch adopts an optimizer from a global pre-hook) goes on undisturbed."""
 
     def __enter__(self):
-        module = sys.modules["torch.optim.optimizer"]
+        self._module = sys.modules["torch.optim.optimizer"]
         self._saved = []
         for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
-            hooks = getattr(module, name, None)
+            hooks = getattr(self._module, name, None)
             if hooks is not None:
-                self._saved.append((hooks, dict(hooks)))
-                hooks.clear()
+                self._saved.append((name, hooks))
+                setattr(self._module, name, type(hooks)())
         return self
 
     def __exit__(self, *exc):
-        for hooks, saved in self._saved:
-            hooks.update(saved)
+        for name, hooks in self._saved:
+            hooks.update(getattr(self._module, name))    # any registered meanwhile are kept
+            setattr(self._module, name, hooks)
         return False
 
 

@@ -8,10 +8,14 @@
   graph set, an optimizer fused into backward, a ``Join`` context entered): the model is handed
   back first (``torch_internals.DDP_HANDING_BACK``).
 
-Models alive when the patch is installed are offered too. ``uninstall`` restores the class.
+Models built before the patch was installed are offered at their first forward since, or first
+call that hands them back, whichever comes first: a model that never runs again is never touched,
+and no scan of the process's objects takes a garbage model for a live one. ``uninstall`` restores
+the class.
 """
 
-from ..live_objects import live_instances
+import weakref
+
 from ..patching import Ledger
 from ..torch_internals import DDP_HANDING_BACK
 
@@ -22,6 +26,7 @@ class DDPPatch:
     def __init__(self, takeover):
         self.takeover = takeover
         self.ledger = Ledger()
+        self._building = weakref.WeakSet()      # models inside DDP's __init__: offered once built
 
     def install(self, distributed_module):
         ddp_class = distributed_module.DistributedDataParallel
@@ -29,21 +34,30 @@ class DDPPatch:
         self.ledger.wrap(ddp_class, "forward", self._forward)
         for name, reason in DDP_HANDING_BACK.items():
             self.ledger.wrap(ddp_class, name, self._handing_back(reason, uneven=name == JOIN))
-        for obj in live_instances(ddp_class):
-            self.takeover.adopt(obj)
 
     def uninstall(self):
         self.ledger.uninstall()
 
     def _after_init(self, wrapped, instance, args, kwargs):
-        wrapped(*args, **kwargs)
+        self._building.add(instance)        # DDP's __init__ may call what hands a model back
+        try:
+            wrapped(*args, **kwargs)
+        finally:
+            self._building.discard(instance)
         self.takeover.adopt(instance)
 
     def _forward(self, wrapped, instance, args, kwargs):
+        self._offered(instance)
         return self.takeover.forward(instance, wrapped, args, kwargs)
 
     def _handing_back(self, reason, uneven=False):
         def wrapper(wrapped, instance, args, kwargs):
+            self._offered(instance)
             self.takeover.hand_back(instance, reason, uneven=uneven)
             return wrapped(*args, **kwargs)
         return wrapper
+
+    def _offered(self, ddp):
+        """A model built before the patch is offered to the takeover once, when first used."""
+        if ddp not in self._building and not self.takeover.knows(ddp):
+            self.takeover.adopt(ddp)

@@ -80,7 +80,7 @@ class TakeoverLog:
         elif self.left_to_ddp:
             reason = f"DDP keeps its own gradient sync: {self.left_to_ddp[-1]['reason']}"
         else:
-            reason = "no DistributedDataParallel model has been built"
+            reason = "no DistributedDataParallel model has been built or run since autopatch was enabled"
         effective = in_charge or [options]
         out = {
             "active": bool(in_charge),

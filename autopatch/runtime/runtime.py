@@ -1,9 +1,12 @@
 """The running state of an enabled autopatch: its policy, its patches and its optimizers.
 
 Optimizers are adopted when constructed (a wrapper around ``Optimizer.__init__``) and, for those
-built before ``enable()``, by a one-time scan of live objects. torch itself is never imported
-early: when it is not loaded yet, the patch waits for ``torch.optim`` to be imported. The same
-goes for DistributedDataParallel, whose gradient sync the comm room takes over.
+built before ``enable()``, at their first step since (a global step pre-hook, which runs before the
+optimizer's own hooks, so that step is intercepted as any other). An optimizer that never steps
+again is never touched: no scan of the process's objects, no garbage taken for live optimizers.
+torch itself is never imported early: when it is not loaded yet, the patch waits for
+``torch.optim`` to be imported. The same goes for DistributedDataParallel, whose gradient sync the
+comm room takes over.
 """
 
 import functools
@@ -14,7 +17,6 @@ import weakref
 import wrapt
 
 from .. import agreement
-from ..live_objects import live_instances
 from ..patching import Ledger, building_own_objects
 from ..reporting.sections import ReportSections
 from .comm_view import CommView
@@ -98,9 +100,7 @@ class Runtime:
         warn_if_untested()
         self.sections.add("torch", torch_report)
         self.ledger.wrap(optim.Optimizer, "__init__", self._after_init)
-        for obj in live_instances(optim.Optimizer):
-            if not self._is_wrapper(obj):
-                self.adopt(obj)
+        self.ledger.hold(sys.modules[optim.Optimizer.__module__].register_optimizer_step_pre_hook(self._before_step))
 
     @staticmethod
     def _is_wrapper(obj):
@@ -149,6 +149,11 @@ class Runtime:
         wrapped(*args, **kwargs)
         if not building_own_objects():
             self.adopt(instance)
+
+    def _before_step(self, opt, args, kwargs):
+        """An optimizer built before enable() is adopted as its first step since begins."""
+        if self.controller_of(opt) is None and not self._is_wrapper(opt):
+            self.adopt(opt)
 
     def adopt(self, opt):
         """Put ``opt`` under autopatch (once); returns its handle."""

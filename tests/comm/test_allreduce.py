@@ -355,7 +355,7 @@ def test_disable_restores_the_ddp_class(ap):
     ap.enable(allreduce={"enabled": True})
     assert all(vars(DDP)[name] is not before[name] for name in names)
     assert ap.report()["allreduce"] == {**ap.report()["allreduce"], "active": False,
-                                        "reason": "no DistributedDataParallel model has been built"}
+                                        "reason": "no DistributedDataParallel model has been built or run since autopatch was enabled"}
     ap.disable()
     assert all(vars(DDP)[name] is before[name] for name in names)
     ap.enable(allreduce={"enabled": False})

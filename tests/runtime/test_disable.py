@@ -60,7 +60,7 @@ def two_jobs(policy=None, ap=None):
     given) is disabled after six of their nine steps. Returns the models, optimizers and losses."""
     data = batches(9)
     early_model = mlp()
-    early = make(early_model)                     # built before enable(): adopted
+    early = make(early_model)                     # built before enable(): adopted at its next step
     if policy:
         ap.enable(policy)
     late_model = mlp(seed=3)
