@@ -19,9 +19,9 @@ import warnings
 
 import torch
 
+from ..job_store import first_answer
 from .backends import backend_name, is_redis, open_store
 from .entry_seal import DAMAGED, STALE, Seal
-from .job_answers import first_answer
 from .sample_codec import Unstorable, decode, encode
 from .shared_counters import SharedCounters
 from .store_guard import StoreGuard

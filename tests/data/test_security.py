@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from autopatch.data.private_files import NotPrivate, private_dir
 from autopatch.data.redis_server import RedisServer
+from autopatch.private_files import NotPrivate, private_dir
 from spawn import SUPPORT, clean_env, patience, run_python, spawn_two_ranks
 
 NOBODY = 65534
