@@ -15,8 +15,8 @@ store, which other local users can read, holds addresses only.
 import os
 import socket
 
-from ..job_store import exchange, job_store
-from ..topology import topology
+from ...job_store import exchange, job_store
+from ...topology import topology
 from .redis_server import RedisServer
 from .user_key import derived
 

@@ -12,8 +12,8 @@ import os
 import statistics
 import time
 
-from .. import dist as _dist
-from ..job_store import first_answer
+from ... import dist as _dist
+from ...job_store import first_answer
 
 __all__ = ["cache_pays", "READ_ADVANTAGE", "READ_ROUNDS"]
 

@@ -14,7 +14,7 @@ ones.
 import struct
 from collections import Counter
 
-from ..job_store import first_answer
+from ...job_store import first_answer
 
 __all__ = ["agreed_scores", "NoAgreement"]
 
