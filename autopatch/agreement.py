@@ -20,6 +20,7 @@ import pickle
 import time
 
 from . import dist
+from .job_store import job_store
 
 PREFIX = "autopatch/agree/"
 WAIT_SECONDS = 60.0      # the longest a rank waits for a decision (ranks in step wait one step)
@@ -36,8 +37,7 @@ class AgreementLost(RuntimeError):
 
 
 def _store():
-    from .torch_internals import default_store
-    store = default_store()
+    store = job_store()
     if store is not None:
         _used.update(store=store, rank=dist.rank())
     return store

@@ -12,12 +12,12 @@ algorithms group ranks by node across the whole world, so they need a group that
 (``why_not_hierarchical``).
 """
 
-import datetime
 import os
 import socket
 from dataclasses import dataclass
 
 from . import dist as _dist
+from .job_store import exchange, job_store
 
 KEY = "autopatch/topology/{}/rank{}"
 PUBLISH_SECONDS = 300     # how long a rank waits for the others to say where they are
@@ -92,8 +92,7 @@ def forget():
 
 
 def _exchange(world, rank):
-    from .torch_internals import default_store
-    store = default_store()
+    store = job_store()
     mine = node_key()
     generation = _exchanges[0]
     _exchanges[0] += 1
@@ -102,14 +101,10 @@ def _exchange(world, rank):
         keys = [None] * world
         dist.all_gather_object(keys, mine)
         return keys
-    store.set(KEY.format(generation, rank), mine)
     names = [KEY.format(generation, r) for r in range(world)]
-    try:
-        store.wait(names, datetime.timedelta(seconds=PUBLISH_SECONDS))
-    except Exception as e:
-        raise RuntimeError(f"autopatch: rank {rank} waited {PUBLISH_SECONDS} s for every rank to say "
-                           f"which node it is on: {e}. Another rank has most likely exited or stalled.") from e
-    return [store.get(n).decode() for n in names]
+    answers = exchange(store, names, PUBLISH_SECONDS, "every rank to say which node it is on",
+                       mine=(names[rank], mine))
+    return [answer.decode() for answer in answers]
 
 
 def why_not_hierarchical(group):

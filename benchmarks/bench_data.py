@@ -47,10 +47,10 @@ from harness.machine import closing, load_average, summary  # noqa: E402
 from harness.report import markdown  # noqa: E402
 
 from autopatch.data import LoadBalancingDistributedSampler  # noqa: E402
-from autopatch.data.node_servers import node_server_urls  # noqa: E402
-from autopatch.data.patches import DataPatches  # noqa: E402
-from autopatch.data.redis_store import RedisStore  # noqa: E402
-from autopatch.data.step_balance import distributed_sampler_indices, spread_summary, step_spreads  # noqa: E402
+from autopatch.data.sampling.step_balance import distributed_sampler_indices, spread_summary, step_spreads  # noqa: E402
+from autopatch.data.store.node_servers import node_server_urls  # noqa: E402
+from autopatch.data.store.redis_store import RedisStore  # noqa: E402
+from autopatch.data.zero_code.patches import DataPatches  # noqa: E402
 from autopatch.patching import Ledger  # noqa: E402
 
 KiB = 1024

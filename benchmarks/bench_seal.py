@@ -21,12 +21,12 @@ import types
 
 import torch
 
-from autopatch.data.cache_loader import CacheLoader
-from autopatch.data.cache_payoff import cache_pays
-from autopatch.data.entry_seal import Seal
-from autopatch.data.local_store import LocalStore
-from autopatch.data.sample_codec import decode, encode
-from autopatch.data.user_key import derived
+from autopatch.data.cache.cache_loader import CacheLoader
+from autopatch.data.probe.cache_payoff import cache_pays
+from autopatch.data.store.entry_seal import Seal
+from autopatch.data.store.local_store import LocalStore
+from autopatch.data.store.sample_codec import decode, encode
+from autopatch.data.store.user_key import derived
 
 BATCH = 16
 SAMPLES = {

@@ -1,6 +1,7 @@
 """The house rules, checked on the source: data flows one way between the rooms, no room reads
-another's private fields, torch's internals are touched in one module only, and no module or class
-grows past what one idea needs (``MAX_MODULE_LINES``, ``MAX_CLASS_LINES``).
+another's private fields, torch's internals are touched in one module only, no module or class
+grows past what one idea needs (``MAX_MODULE_LINES``, ``MAX_CLASS_LINES``), and no room holds more
+modules than a reader takes in at once (``MAX_PACKAGE_MODULES``; past it, it splits into rooms).
 
 The import rules are import-linter contracts (pyproject.toml, ``[tool.importlinter]``); the
 private-field rule is read off the syntax tree: an attribute or name with one leading underscore
@@ -24,6 +25,7 @@ ALLOWED = {"os._exit"}
 ALLOWED_PREFIXES = ("_self_",)      # wrapt's ObjectProxy keeps its own attributes under this prefix
 MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 250               # from the ``class`` line to its last statement
+MAX_PACKAGE_MODULES = 20            # modules on one level of a folder, ``__init__.py`` included
 # Classes still past MAX_CLASS_LINES, by file and name; the test fails once one of them is back under,
 # so the list only shrinks.
 OVER_THE_LIMIT = {("autopatch/modes/chooser.py", "ModeChooser")}
@@ -154,9 +156,21 @@ def long_classes(root):
     return out
 
 
+def crowded_packages(root):
+    """(folder, modules) of every folder under ``root`` (itself included) holding more than
+    ``MAX_PACKAGE_MODULES`` modules on its own level."""
+    folders = [root] + sorted(path for path in root.rglob("*") if path.is_dir())
+    return [(folder, n) for folder in folders if (n := len(list(folder.glob("*.py")))) > MAX_PACKAGE_MODULES]
+
+
 def test_no_module_holds_several_modules_worth():
     found = [f"{path.relative_to(ROOT)}: {n} lines" for path, n in long_modules(PACKAGE)]
     assert not found, f"modules over {MAX_MODULE_LINES} lines (split them by idea):\n" + "\n".join(found)
+
+
+def test_no_room_holds_several_rooms_worth():
+    found = [f"{folder.relative_to(ROOT)}: {n} modules" for folder, n in crowded_packages(PACKAGE)]
+    assert not found, f"folders over {MAX_PACKAGE_MODULES} modules (group them into rooms):\n" + "\n".join(found)
 
 
 def test_no_class_holds_several_classes_worth():
@@ -177,3 +191,13 @@ def test_the_size_rules_catch_what_they_are_about(tmp_path):
     (tmp_path / "edge.py").write_text("\n" * MAX_MODULE_LINES)
     assert [path.name for path, _ in long_modules(tmp_path)] == ["big.py"]
     assert long_classes(tmp_path) == {(f"{tmp_path.name}/big.py", "Big"): MAX_CLASS_LINES + 1}
+
+
+def test_the_room_size_rule_catches_what_it_is_about(tmp_path):
+    """A folder one module past the limit is found, wherever it sits; one at the limit is not."""
+    for folder, modules in ((tmp_path, MAX_PACKAGE_MODULES), (tmp_path / "crowded", MAX_PACKAGE_MODULES + 1)):
+        folder.mkdir(exist_ok=True)
+        for i in range(modules - 1):
+            (folder / f"m{i}.py").write_text("")
+        (folder / "__init__.py").write_text("")
+    assert crowded_packages(tmp_path) == [(tmp_path / "crowded", MAX_PACKAGE_MODULES + 1)]

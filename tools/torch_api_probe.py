@@ -302,7 +302,7 @@ def _gloo_world_of_one():
     return dist
 
 
-@check("torch.distributed.distributed_c10d._get_default_store", "data/node_servers.py:79")
+@check("torch.distributed.distributed_c10d._get_default_store", "job_store.py:44")
 def _():
     dist = _gloo_world_of_one()
     store = dist.distributed_c10d._get_default_store()
@@ -428,7 +428,7 @@ def _():
     return has_local, "from_local takes shape/stride; _local_tensor " + ("present" if has_local else "missing")
 
 
-@check("Tensor.untyped_storage and set_(untyped storage, offset, size)", "data/sample_codec.py:48, fusion/flat.py:118")
+@check("Tensor.untyped_storage and set_(untyped storage, offset, size)", "data/store/sample_codec.py:96, fusion/flat.py:118")
 def _():
     t = torch.arange(4, dtype=torch.float32)
     w = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), 0, (16,))

@@ -59,5 +59,5 @@ class DDPPatch:
 
     def _offered(self, ddp):
         """A model built before the patch is offered to the takeover once, when first used."""
-        if ddp not in self._building and not self.takeover.knows(ddp):
+        if ddp not in self._building and ddp not in self.takeover.models:   # every model seen
             self.takeover.adopt(ddp)

@@ -128,10 +128,6 @@ class DDPTakeover:
     def install(self, distributed_module):
         self.patch.install(distributed_module)
 
-    def knows(self, ddp):
-        """True once ``ddp`` was offered: taken over, or left to DDP with the reason."""
-        return ddp in self.models
-
     def adopt(self, ddp, asked=False):
         """Take ``ddp``'s gradient sync over, or record why DDP keeps it; ``asked``: a
         communication algorithm was asked for this model (``use_algorithm``), whatever ``keeps``

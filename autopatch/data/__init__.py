@@ -12,16 +12,16 @@ this package imports nothing heavy: each name loads its module on first use.
 import importlib
 
 _EXPORTS = {
-    "CachedDataset": "cached_dataset",
-    "CacheLoader": "cache_loader",
-    "LoadBalancingDistributedSampler": "balanced_sampler",
-    "LoadBalancingDistributedBatchSampler": "balanced_batch_sampler",
-    "DataPatches": "patches",
-    "LocalStore": "local_store",
-    "RedisStore": "redis_store",
-    "RedisServer": "redis_server",
-    "ShardedStore": "sharded_store",
-    "sequence_length": "complexity",
+    "CachedDataset": "cache.cached_dataset",
+    "CacheLoader": "cache.cache_loader",
+    "LoadBalancingDistributedSampler": "sampling.balanced_sampler",
+    "LoadBalancingDistributedBatchSampler": "sampling.balanced_batch_sampler",
+    "DataPatches": "zero_code.patches",
+    "LocalStore": "store.local_store",
+    "RedisStore": "store.redis_store",
+    "RedisServer": "store.redis_server",
+    "ShardedStore": "store.sharded_store",
+    "sequence_length": "sampling.complexity",
 }
 
 __all__ = list(_EXPORTS)

@@ -169,7 +169,7 @@ def _redis_url(url):
         raise ValueError(f"data cache: server {shown(url)}: {e}") from None
 
 
-# Modules that are no program's own: a cost function named in one is never called (data/complexity.py).
+# Modules that are no program's own: a cost function named in one is never called (data/sampling/complexity.py).
 STANDARD_MODULES = frozenset(getattr(sys, "stdlib_module_names", ())) | frozenset(sys.builtin_module_names) | {
     "builtins", "__future__"}
 

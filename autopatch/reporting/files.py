@@ -6,14 +6,16 @@ followed (a file in a shared directory cannot be redirected onto another). A fil
 over the target: a reader never sees half a file, and a full disk leaves the old one. A file
 that has no place of its own (autotune's best config and trials CSV with no directory named)
 goes in a private directory, ``autopatch-<uid>`` in the temp dir: created 0700, and refused when
-it exists as a link, belongs to someone else or lets others in. Directories are held open while
-their files are made, so one renamed away meanwhile cannot be swapped for another.
+it exists as a link, belongs to someone else or lets others in (``private_files``). Directories
+are held open while their files are made, so one renamed away meanwhile cannot be swapped for
+another.
 """
 
 import os
 import secrets
-import stat
 import tempfile
+
+from ..private_files import open_private_dir
 
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
@@ -22,10 +24,11 @@ class Folder:
     """A directory held open; files are made in it by name. ``private``: the per-user directory,
     whose files only their owner may read."""
 
-    def __init__(self, path, private=False):
+    def __init__(self, path, private=False, fd=None):
+        """``fd``: the directory already open (and checked), else it is opened here."""
         self.path = path
         self.private = private
-        self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | (os.O_NOFOLLOW if private else 0))
+        self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY) if fd is None else fd
 
     def __enter__(self):
         return self
@@ -77,25 +80,7 @@ def folder_of(path):
 
 def private_folder():
     """This user's private directory in the temp dir, created 0700 if missing. PermissionError
-    when the one there is a link, is not this user's, or is open to others: another local user
-    may have made it to read or redirect what goes in it."""
+    (``NotPrivate``) when the one there is a link, is not this user's, or is open to others:
+    another local user may have made it to read or redirect what goes in it."""
     path = os.path.join(tempfile.gettempdir(), f"autopatch-{os.getuid()}")
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    try:
-        folder = Folder(path, private=True)
-    except OSError as e:
-        if os.path.islink(path):
-            raise PermissionError(f"{path} is a symbolic link, not this user's private directory: not used") from None
-        raise PermissionError(f"{path} cannot serve as this user's private directory: {e}") from None
-    st = os.fstat(folder.fd)
-    why = (f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})" if st.st_uid != os.getuid()
-           else f"is open to other users (mode {stat.S_IMODE(st.st_mode):o}, not 700)"
-           if st.st_mode & 0o077 else None)
-    if why:
-        os.close(folder.fd)
-        raise PermissionError(f"{path} {why}: not used, since another user could read or redirect "
-                              "what autopatch writes there")
-    return folder
+    return Folder(path, private=True, fd=open_private_dir(path, refuse_open=True))

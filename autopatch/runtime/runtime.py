@@ -63,7 +63,7 @@ class Runtime:
     def _time_batches(self, module):
         """Every DataLoader iterator's ``__next__`` timed, for the report's breakdown."""
         if self.loader_waits is None:
-            from ..data.loader_waits import LoaderWaits
+            from ..data.zero_code.loader_waits import LoaderWaits
             self.loader_waits = LoaderWaits()
             self.loader_waits.install(self.ledger)
 
@@ -74,7 +74,7 @@ class Runtime:
         if not data.wanted:
             self.sections.add("data", lambda: {"active": False, "reason": "data.cache and data.load_balance are off"})
             return
-        from ..data.patches import DataPatches
+        from ..data.zero_code.patches import DataPatches
         patches = DataPatches(cache=data.cache_backend, name=data.cache_name, capacity=data.cache_capacity,
                               path=data.cache_path, balance=data.load_balance)
         patches.install(self.ledger)

@@ -45,7 +45,7 @@ class Session:
 
     @property
     def data_waits(self):
-        """The time spent waiting for batches so far (data/loader_waits.py: ``seconds``,
+        """The time spent waiting for batches so far (data/zero_code/loader_waits.py: ``seconds``,
         ``describe()``), or None before ``torch.utils.data`` is imported or with no breakdown."""
         return self.runtime.loader_waits
 

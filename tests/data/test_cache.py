@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from autopatch.data import CachedDataset, CacheLoader, LocalStore, RedisStore
-from autopatch.data.redis_server import RedisServer
+from autopatch.data.store.redis_server import RedisServer
 from data_fixtures import Features, redis_server  # noqa: F401,F811 (a fixture)
 
 
@@ -96,7 +96,7 @@ def test_store_on_the_local_directory(tmp_path):
 
 def test_redis_server_per_node_started_without_process_group():
     """hosts=None: this process is local rank 0 of a one-node run, so it starts the server."""
-    from autopatch.data.node_servers import started_server
+    from autopatch.data.store.node_servers import started_server
     store = RedisStore(hosts=None, capacity_per_node=16 << 20)
     check_store(store)
     assert started_server() is not None and started_server().alive()

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from autopatch.data import dataset_files
-from autopatch.data.dataset_files import DatasetFiles
-from autopatch.data.signature import dataset_signature, recheck_indices, spread_indices
+from autopatch.data.probe import dataset_files
+from autopatch.data.probe.dataset_files import DatasetFiles
+from autopatch.data.probe.signature import dataset_signature, recheck_indices, spread_indices
 from data_fixtures import Files, Folder, policy_for, run_job, same_batches, sample_bytes, write_samples
 
 N, CHANGED = 96, 50

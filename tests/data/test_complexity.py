@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from autopatch.data.complexity import UntrustedComplexity, complexity_function, sequence_length
+from autopatch.data.sampling.complexity import UntrustedComplexity, complexity_function, sequence_length
 from spawn import clean_env, run_python, write_script
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from autopatch.data import CacheLoader, CachedDataset, LocalStore, RedisStore
-from autopatch.data.entry_seal import DAMAGED, STALE, Seal
-from autopatch.data.sample_codec import Undecodable, Unstorable, decode, encode
+from autopatch.data.store.entry_seal import DAMAGED, STALE, Seal
+from autopatch.data.store.sample_codec import Undecodable, Unstorable, decode, encode
 from data_fixtures import Features, redis_server  # noqa: F401,F811 (a fixture)
 
 
@@ -119,7 +119,7 @@ def test_decoding_damaged_bytes_raises_one_error_and_allocates_nothing_it_is_tol
 
 
 def test_unstorable_samples_leave_the_dataset_uncached_with_the_reason(tmp_path):
-    from autopatch.data.cacheability import probe
+    from autopatch.data.probe.cacheability import probe
 
     class Points(Features):
         def __getitem__(self, i):

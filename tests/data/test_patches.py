@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from autopatch.data import LoadBalancingDistributedSampler
-from autopatch.data.patches import DataPatches
+from autopatch.data.zero_code.patches import DataPatches
 from autopatch.policy import cache_backend
 from autopatch.patching import Ledger
 from spawn import clean_env, run_python, spawn_two_ranks, write_script
@@ -251,7 +251,7 @@ def test_a_change_outside_the_signature_is_found_and_never_served(tmp_path, inst
     """Version 1 and 2 share the samples the signature loads and differ everywhere else: the
     second run's first epoch rechecks other samples, finds them changed, drops the entries and
     serves the dataset uncached."""
-    from autopatch.data.signature import spread_indices
+    from autopatch.data.probe.signature import spread_indices
     base = ",".join(map(str, spread_indices(48)))
     policy = policy_for(tmp_path, tmp_path / "cache")
     first = run_job(tmp_path / "v1.pt", "--dataset", "Patched", "--base", base, "--version", "1", cache="1",
@@ -267,7 +267,7 @@ def test_a_change_outside_the_signature_is_found_and_never_served(tmp_path, inst
 
 
 def test_every_sample_is_rechecked_within_a_cycle_of_epochs():
-    from autopatch.data.signature import RECHECK_SAMPLES, recheck_indices
+    from autopatch.data.probe.signature import RECHECK_SAMPLES, recheck_indices
     for n in (1, 7, 48, 1000):
         epochs = -(-n // RECHECK_SAMPLES)
         seen = [i for e in range(epochs) for i in recheck_indices(n, b"\x07" * 16, e)]

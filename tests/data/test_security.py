@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from autopatch.data.private_files import NotPrivate, private_dir
-from autopatch.data.redis_server import RedisServer
+from autopatch.data.store.redis_server import RedisServer
+from autopatch.private_files import NotPrivate, private_dir
 from spawn import SUPPORT, clean_env, patience, run_python, spawn_two_ranks
 
 NOBODY = 65534
@@ -148,7 +148,7 @@ def test_paths_another_user_owns_or_links_are_refused(shared_place, monkeypatch)
     with open(os.path.join(root, "key"), "wb") as f:
         f.write(bytes(32))
     os.chown(os.path.join(root, "key"), NOBODY, NOBODY)
-    from autopatch.data.user_key import KeyUnusable, user_key
+    from autopatch.data.store.user_key import KeyUnusable, user_key
     with pytest.raises(KeyUnusable, match="owned by uid 65534"):
         user_key()
 

@@ -48,7 +48,7 @@ def test_a_private_directory_another_user_owns_is_refused(monkeypatch):
     with shared_temp_dir(0o1777) as shared:
         monkeypatch.setattr(tempfile, "tempdir", shared)
         as_nobody("mkdir", "-m", "700", os.path.join(shared, f"autopatch-{os.getuid()}"))
-        with pytest.raises(PermissionError, match=f"belongs to uid {NOBODY}, not to this user"):
+        with pytest.raises(PermissionError, match=f"owned by uid {NOBODY}, not by this user"):
             private_folder()
 
 

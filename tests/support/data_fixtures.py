@@ -114,7 +114,7 @@ class Folder(Dataset):
 @pytest.fixture(scope="module")
 def redis_server():
     """A real redis-server on 127.0.0.1, started for these tests and stopped after them."""
-    from autopatch.data.redis_server import RedisServer
+    from autopatch.data.store.redis_server import RedisServer
     server = RedisServer(capacity=64 << 20)
     yield server
     server.stop()

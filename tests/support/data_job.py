@@ -63,7 +63,7 @@ for epoch in range(args.epochs):
     batches = []
     for b, batch in enumerate(loader):
         if args.kill_redis and epoch == 1 and b == 1:
-            from autopatch.data.node_servers import started_server
+            from autopatch.data.store.node_servers import started_server
             started_server().kill()
         batches.append(batch)
     epochs.append(batches)

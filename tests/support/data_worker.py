@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from autopatch.data.node_servers import KEY, node_server_urls
-from autopatch.data.patches import DataPatches
+from autopatch.data.store.node_servers import KEY, node_server_urls
+from autopatch.data.zero_code.patches import DataPatches
 from autopatch.patching import Ledger
 from data_fixtures import Features
 
@@ -93,7 +93,7 @@ def machine_address():
 
 def two_nodes():
     import redis
-    from autopatch.data.node_servers import started_server
+    from autopatch.data.store.node_servers import started_server
     urls = node_server_urls(capacity=16 << 20)
     server = started_server()
     answers = {}

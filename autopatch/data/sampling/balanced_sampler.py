@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from .rng_states import seeded
-from .side_copy import looking_at
+from ..looking.rng_states import seeded
+from ..looking.side_copy import looking_at
 
 __all__ = ["LoadBalancingDistributedSampler", "score_samples"]
 

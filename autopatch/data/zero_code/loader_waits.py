@@ -11,7 +11,7 @@ import time
 
 from torch.utils.data import IterableDataset
 
-from ..torch_internals import loader_iterator_class
+from ...torch_internals import loader_iterator_class
 
 MAX_DATASETS = 8     # datasets described in the report; more are counted only
 

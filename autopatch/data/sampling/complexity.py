@@ -16,7 +16,7 @@ import inspect
 import operator
 import sys
 
-from ..policy import complexity_spec
+from ...policy import complexity_spec
 
 __all__ = ["sequence_length", "complexity_function", "UntrustedComplexity"]
 

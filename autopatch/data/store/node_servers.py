@@ -12,17 +12,17 @@ The password is never sent: every rank derives it from the user's key (``user_ke
 store, which other local users can read, holds addresses only.
 """
 
-import datetime
 import os
 import socket
 
-from ..topology import topology
+from ...job_store import exchange, job_store
+from ...topology import topology
 from .redis_server import RedisServer
 from .user_key import derived
 
 __all__ = ["node_server_urls", "node_rank", "default_capacity_per_node", "started_server"]
 
-PUBLISH_SECONDS = 120
+PUBLISH_SECONDS = 120     # how long a rank waits for every node's lowest rank to start its server
 KEY = "autopatch/data/redis/node{}"
 _started = {}   # this process's answer: {"urls": [...], "server": RedisServer or None}
 
@@ -77,19 +77,19 @@ def node_server_urls(capacity=None):
         server = RedisServer(capacity, password=_password())
         _started.update(urls=[server.url], server=server)
         return _started["urls"]
-    from ..torch_internals import default_store
-    store = default_store()
+    store = job_store()
     server = None
+    mine = None
     if starts_server:
         if nodes == 1:
             server = RedisServer(capacity, password=_password())
         else:
             address = _reachable_address()
             server = RedisServer(capacity, bind=address, advertise=address, password=_password())
-        store.set(KEY.format(node), server.address)
-    keys = [KEY.format(n) for n in range(nodes)]
-    store.wait(keys, datetime.timedelta(seconds=PUBLISH_SECONDS))
-    _started.update(urls=[_with_password(store.get(k).decode()) for k in keys], server=server)
+        mine = (KEY.format(node), server.address)
+    addresses = exchange(store, [KEY.format(n) for n in range(nodes)], PUBLISH_SECONDS,
+                         "every node's Redis server address", mine=mine)
+    _started.update(urls=[_with_password(a.decode()) for a in addresses], server=server)
     return _started["urls"]
 
 

@@ -25,7 +25,7 @@ import time
 
 import redis
 
-from .private_files import private_dir
+from ...private_files import private_dir
 from .user_key import cache_root
 
 __all__ = ["RedisServer", "RedisServerError"]

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 from torch.utils.data import IterableDataset
 
+from ..looking.load_settings import torch_threads
+from ..looking.rng_states import seeded
+from ..looking.side_copy import looking_at
+from ..store.sample_codec import Unstorable, encode
 from .dataset_files import DatasetFiles
-from .load_settings import torch_threads
-from .rng_states import seeded
-from .sample_codec import Unstorable, encode
-from .side_copy import looking_at
 from .signature import SIGNATURE_SEED, dataset_signature, spread_indices
 
 __all__ = ["probe", "Verdict", "PROBE_SEEDS", "DETERMINISM_SAMPLES"]

@@ -22,7 +22,7 @@ import time
 import weakref
 from collections import Counter
 
-from .process_exit import at_exit
+from ..store.process_exit import at_exit
 
 __all__ = ["SharedCounters", "COUNTS"]
 

@@ -5,15 +5,15 @@ The cache is worth it when reading a sample back (store, integrity check and dec
 under scratch keys of the dataset's cache name (never served: the cache keeps only what the
 user's loader loads) and read back ``READ_ROUNDS`` times, all at once as a batch is, then
 deleted; the median counts. Ranks measure under different load, so a rank's decision is offered
-to the job (``job_answers``) and the first one offered is every rank's; nothing waits.
+to the job (``job_store.first_answer``) and the first one offered is every rank's; nothing waits.
 """
 
 import os
 import statistics
 import time
 
-from .. import dist as _dist
-from .job_answers import first_answer
+from ... import dist as _dist
+from ...job_store import first_answer
 
 __all__ = ["cache_pays", "READ_ADVANTAGE", "READ_ROUNDS"]
 

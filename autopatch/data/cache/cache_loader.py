@@ -19,14 +19,14 @@ import warnings
 
 import torch
 
-from .backends import backend_name, is_redis, open_store
-from .entry_seal import DAMAGED, STALE, Seal
-from .job_answers import first_answer
-from .sample_codec import Unstorable, decode, encode
+from ...job_store import first_answer
+from ..store.backends import backend_name, is_redis, open_store
+from ..store.entry_seal import DAMAGED, STALE, Seal
+from ..store.sample_codec import Unstorable, decode, encode
+from ..store.store_guard import StoreGuard
+from ..store.user_key import derived, fingerprint
+from ..store.write_buffer import WriteBuffer
 from .shared_counters import SharedCounters
-from .store_guard import StoreGuard
-from .user_key import derived, fingerprint
-from .write_buffer import WriteBuffer
 
 __all__ = ["CacheLoader"]
 

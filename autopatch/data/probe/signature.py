@@ -16,9 +16,9 @@ every ``len / RECHECK_SAMPLES`` epochs; the named files are stat'ed again at eve
 import hashlib
 import math
 
+from ..looking.load_settings import loaded_as
+from ..store.sample_codec import encode
 from .dataset_files import DatasetFiles
-from .load_settings import loaded_as
-from .sample_codec import encode
 
 __all__ = ["spread_indices", "encoded_samples", "dataset_signature", "recheck_indices",
            "SIGNATURE_SEED", "SIGNATURE_SAMPLES", "RECHECK_SAMPLES"]

@@ -4,16 +4,17 @@ The load-balanced sampler deals indices to ranks from the samples' scores; ranks
 differently deal differently, and then some samples are read by two ranks and others by none.
 Scores can differ even under fixed seeds: a dataset may draw from a generator of its own seeded
 per rank (random crops), or tokenise with a rank's state. So each rank offers its scores to the
-job (``job_answers``: the first offered is every rank's; nothing waits), and every rank deals from
-those. The n-th dataset of a class and length scored in a process meets the n-th of every other
-rank; should ranks build different loaders, the scores they meet still have the right length,
-and all that matters for dealing each sample once is that every rank holds the same ones.
+job (``job_store.first_answer``: the first offered is every rank's; nothing waits), and every
+rank deals from those. The n-th dataset of a class and length scored in a process meets the n-th
+of every other rank; should ranks build different loaders, the scores they meet still have the
+right length, and all that matters for dealing each sample once is that every rank holds the same
+ones.
 """
 
 import struct
 from collections import Counter
 
-from .job_answers import first_answer
+from ...job_store import first_answer
 
 __all__ = ["agreed_scores", "NoAgreement"]
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import lmdb
 
-from .private_files import private_dir, private_file
+from ...private_files import private_dir, private_file
 from .user_key import cache_root
 from .write_buffer import forget_held, hold_all, release_all
 

@@ -16,8 +16,8 @@ import warnings
 
 import wrapt
 
-from .. import env
-from ..policy import cache_backend, complexity_spec
+from ... import env
+from ...policy import cache_backend, complexity_spec
 
 __all__ = ["DataPatches"]
 

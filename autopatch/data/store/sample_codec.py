@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from ..storage_extent import storage_extent
+from ...storage_extent import storage_extent
 
 __all__ = ["encode", "decode", "Unstorable", "Undecodable", "STORED_KINDS"]
 

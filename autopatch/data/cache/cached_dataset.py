@@ -15,8 +15,8 @@ import copy
 
 from torch.utils.data import Dataset
 
+from ..probe.signature import dataset_signature
 from .cache_loader import CacheLoader
-from .signature import dataset_signature
 
 __all__ = ["CachedDataset"]
 

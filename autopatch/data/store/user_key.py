@@ -17,7 +17,7 @@ import os
 import secrets
 from pathlib import Path
 
-from .private_files import NotPrivate, create_exclusive, private_dir, private_file
+from ...private_files import NotPrivate, create_exclusive, private_dir, private_file
 
 __all__ = ["user_key", "derived", "fingerprint", "cache_root", "KeyUnusable"]
 

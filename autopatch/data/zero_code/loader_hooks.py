@@ -26,20 +26,20 @@ import weakref
 
 from torch.utils.data import DistributedSampler
 
-from .. import env
-from .agreed_scores import NoAgreement, agreed_scores
-from .backends import backend_name
-from .balanced_sampler import score_samples
-from .cache_loader import CacheLoader
-from .cache_payoff import cache_pays
-from .cached_dataset import CachedDataset
-from .cacheability import probe
-from .complexity import UntrustedComplexity, complexity_function
-from .following_sampler import FollowingSampler
-from .load_settings import loader_threads
-from .shared_counters import COUNTS
-from .signature import encoded_samples, recheck_indices
-from .step_balance import distributed_sampler_indices, spread_summary, step_spreads
+from ... import env
+from ..cache.cache_loader import CacheLoader
+from ..cache.cached_dataset import CachedDataset
+from ..cache.shared_counters import COUNTS
+from ..looking.load_settings import loader_threads
+from ..probe.cache_payoff import cache_pays
+from ..probe.cacheability import probe
+from ..probe.signature import encoded_samples, recheck_indices
+from ..sampling.agreed_scores import NoAgreement, agreed_scores
+from ..sampling.balanced_sampler import score_samples
+from ..sampling.complexity import UntrustedComplexity, complexity_function
+from ..sampling.following_sampler import FollowingSampler
+from ..sampling.step_balance import distributed_sampler_indices, spread_summary, step_spreads
+from ..store.backends import backend_name
 from .transparent_dataset import TransparentCachedDataset, bypass
 
 __all__ = ["LoaderHooks"]
