@@ -1,24 +1,24 @@
 """A rank that raises, or is SIGKILLed, mid-training ends the whole torchrun job, under every
 communication algorithm as under plain DDP: no other rank trains on to its last step alone, and
 nothing of autopatch is left behind (no process, no autopatch-* in the temp dir). One job per
-algorithm and fault, run three at a time; the fault comes at step 20 of 500."""
+algorithm and fault (one fault for the variants bytegrad and low_precision_decentralized,
+``torchrun_job.cases``), run three at a time; the fault comes at step 20 of 500."""
 
 import pytest
 
-from torchrun_job import CONTENDERS, run_all
+from torchrun_job import cases, run_all
 
-FAULTS = ("raise", "kill")
+CASES = cases(("raise", "kill"))
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     root = tmp_path_factory.mktemp("rank_failure")
     return run_all({(c, f): (c, root / f"{c}-{f}", dict(fault=f, fault_rank=1, fault_step=20, steps=500))
-                    for c in CONTENDERS for f in FAULTS})
+                    for c, f in CASES})
 
 
-@pytest.mark.parametrize("fault", FAULTS)
-@pytest.mark.parametrize("contender", CONTENDERS)
+@pytest.mark.parametrize("contender, fault", CASES, ids=[f"{c}-{f}" for c, f in CASES])
 def test_the_job_ends_and_leaves_nothing(jobs, contender, fault):
     job = jobs[contender, fault]
     assert job.returncode != 0, job.log[-3000:]

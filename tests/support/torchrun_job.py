@@ -22,6 +22,17 @@ from spawn import IMPORT_PATH, SUPPORT, patience
 SCRIPT = SUPPORT / "fault_job.py"
 CONTENDERS = ("ddp", "gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "async",
               "qadam")
+# bytegrad runs gradient_allreduce's code and low_precision_decentralized decentralized's with the
+# bytes encoded otherwise (the same threads, exchanges and exits): a fault test whose every case
+# costs a torchrun job gives each variant one case of its two, a different one for each, so both
+# kinds still meet both encodings.
+
+
+def cases(kinds, contenders=CONTENDERS):
+    """(contender, kind) for every contender and each of the two ``kinds``, but one kind for a
+    variant: the second for bytegrad, the first for low_precision_decentralized."""
+    one = {"bytegrad": kinds[1], "low_precision_decentralized": kinds[0]}
+    return [(c, k) for c in contenders for k in kinds if c not in one or k == one[c]]
 
 
 @dataclass
