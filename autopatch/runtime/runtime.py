@@ -152,8 +152,15 @@ class Runtime:
 
     def _before_step(self, opt, args, kwargs):
         """An optimizer built before enable() is adopted as its first step since begins."""
-        if self.controller_of(opt) is None and not self._is_wrapper(opt):
-            self.adopt(opt)
+        self.taken_in(opt)
+
+    def taken_in(self, opt):
+        """``opt``'s handle, adopting it now if it was built before enable() and has not stepped
+        since (the program asks for it, or it steps); None for a wrapper of another optimizer."""
+        ctrl = self.controller_of(opt)
+        if ctrl is None and self.active and not self._is_wrapper(opt):
+            ctrl = self.adopt(opt)
+        return ctrl
 
     def adopt(self, opt):
         """Put ``opt`` under autopatch (once); returns its handle."""

@@ -24,8 +24,9 @@ class Session:
         return list(self.runtime.controllers)
 
     def optimizer(self, opt):
-        """The handle of ``opt``; KeyError when autopatch has not adopted it."""
-        ctrl = self.runtime.controller_of(opt)
+        """The handle of ``opt`` (adopted now if it was built before enable() and has not stepped
+        since); KeyError for what autopatch does not adopt (a wrapper of another optimizer)."""
+        ctrl = self.runtime.taken_in(opt)
         if ctrl is None:
             raise KeyError(f"{type(opt).__qualname__} at {id(opt):#x} is not adopted by autopatch")
         return ctrl
@@ -34,7 +35,7 @@ class Session:
         """autopatch no longer fuses ``opt``'s steps, and the report says ``reason``
         (``autopatch.contrib.fuse_optimizer`` takes an optimizer over this way); what runs around
         each step (a communication algorithm) goes on."""
-        ctrl = self.runtime.controller_of(opt)
+        ctrl = self.runtime.taken_in(opt)
         if ctrl is not None:
             ctrl.leave(reason)
 

@@ -87,9 +87,9 @@ def test_a_private_directory_another_user_made_first_is_refused(ap, tmp_path, ca
     tune = search(ap)
     assert victim.read_text() == "precious\n"
     assert tune["best_json"] is None
-    assert f"belongs to uid {NOBODY}, not to this user" in tune["best_json_failed"], tune
+    assert f"is owned by uid {NOBODY}, not by this user" in tune["best_json_failed"], tune
     [warning] = autotune_lines(capfd.readouterr().err)
-    assert warning.startswith("autopatch: autotune: saving the best config is off: PermissionError")
+    assert warning.startswith("autopatch: autotune: saving the best config is off: NotPrivate: ")
 
 
 def test_a_link_planted_where_the_trials_csv_goes_is_refused(ap, tmp_path):

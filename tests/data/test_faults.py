@@ -28,9 +28,10 @@ def _can_mount():
 needs_mounts = pytest.mark.skipif(not _can_mount(), reason="needs root and unshare to mount in a namespace")
 
 
-@pytest.fixture
-def plain(tmp_path):
-    return run_job(tmp_path / "plain.pt", "--n", "40")
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The job unpatched, once for every test here (it draws the same batches every run)."""
+    return run_job(tmp_path_factory.mktemp("plain") / "plain.pt", "--n", "40")
 
 
 def cached_run(tmp_path, name, *options, cache="1", **env):
