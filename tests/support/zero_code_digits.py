@@ -4,7 +4,7 @@ of a gloo job (``harness.launch.run_ranks``). ``DIGITS_OPTIMIZER`` names the opt
 ``DIGITS_STEP_PAUSE`` adds seconds of work to each step, as a larger model's would.
 
 ``train()`` is all a user writes. What follows it is the test's: the report, ``disable()`` and what
-it leaves behind. Run without FUSEDOPT_ENABLE, it is plain DDP: the tests' baseline. With
+it leaves behind, and the same job again under plain DDP as the baseline. With
 ``DIGITS_EXPECT=policy_error`` the DDP model must be refused with a ``PolicyError`` (an odd number
 of ranks for shift_one), once as the policy says and once with ``hierarchical: true`` added.
 """
@@ -105,7 +105,8 @@ def main():
         "report": autopatch.report()["allreduce"],
         "accuracy": evaluate(model),    # async's closing round left every rank the average
     }
-    save_results({"accuracy": accuracy, "identical": identical_everywhere(model),
+    baseline, _ = train()
+    save_results({"accuracy": accuracy, "baseline": baseline, "identical": identical_everywhere(model),
                   "report": report, "after_disable": after})
     dist.destroy_process_group()
 
