@@ -36,3 +36,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def digits_file(tmp_path_factory):
+    """The digits saved once and named in the environment every rank process inherits."""
+    import digits_data
+    path = tmp_path_factory.mktemp("digits") / "digits.pt"
+    digits_data.save(path)
+    os.environ[digits_data.VARIABLE] = str(path)
+    yield path
+    del os.environ[digits_data.VARIABLE]

@@ -12,6 +12,8 @@ from autopatch.comm.algorithms import ALGORITHMS, build
 from autopatch.comm.algorithms.peers import check_even, ring_neighbours, shift_one_pairs, shift_one_peer
 from spawn import SUPPORT, clean_env, patience
 
+pytestmark = pytest.mark.usefixtures("digits_file")   # the ranks load the digits from a file
+
 # The schedules of the shift-one pairing, as specified for 4 and 8 ranks.
 SHIFT_ONE = {
     4: [[(0, 2), (1, 3)], [(0, 3), (1, 2)]],

@@ -9,9 +9,13 @@ import signal
 import statistics
 import warnings
 
+import pytest
+
 from autopatch import policy as policies
 from spawn import IMPORT_PATH, SUPPORT, patience
 from harness.launch import failed, run_ranks
+
+pytestmark = pytest.mark.usefixtures("digits_file")   # the ranks load the digits from a file
 
 SCRIPT = SUPPORT / "zero_code_digits.py"
 

@@ -292,9 +292,8 @@ def qadam_compressed(steps=6):
 # -- handwritten digits ----------------------------------------------------------------------------
 def digits():
     """Test accuracy (mean over ranks) of a small MLP trained on sklearn's digits, 4 ranks."""
-    from sklearn.datasets import load_digits
-    x, y = load_digits(return_X_y=True)
-    x, y = torch.tensor(x, dtype=torch.float32) / 16, torch.tensor(y)
+    from digits_data import load
+    x, y = load()
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     train_idx, test_idx = order[:1400], order[1400:]
     mine = train_idx[RANK::WORLD]

@@ -17,17 +17,16 @@ import time
 import torch
 import torch.distributed as dist
 import wrapt
-from sklearn.datasets import load_digits
 from torch import nn
 
+import digits_data
 from harness.launch import save_results
 
 EPOCHS, BATCH = 8, 20
 
 
 def data(rank, world):
-    x, y = load_digits(return_X_y=True)
-    x, y = torch.tensor(x, dtype=torch.float32) / 16, torch.tensor(y)
+    x, y = digits_data.load()
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     return x, y, order[:1400][rank::world], order[1400:]
 
