@@ -1,4 +1,4 @@
-"""Command line: ``autopatch run SCRIPT [ARGS]``, ``autopatch policy check|show|list``."""
+"""Command line: ``autopatch run SCRIPT [ARGS]``, ``autopatch policy check|list``."""
 
 import argparse
 import json
