@@ -28,11 +28,11 @@ CONTENDERS = ("ddp", "gradient_allreduce", "bytegrad", "decentralized", "low_pre
 # kinds still meet both encodings.
 
 
-def cases(kinds, contenders=CONTENDERS):
+def cases(kinds):
     """(contender, kind) for every contender and each of the two ``kinds``, but one kind for a
     variant: the second for bytegrad, the first for low_precision_decentralized."""
     one = {"bytegrad": kinds[1], "low_precision_decentralized": kinds[0]}
-    return [(c, k) for c in contenders for k in kinds if c not in one or k == one[c]]
+    return [(c, k) for c in CONTENDERS for k in kinds if c not in one or k == one[c]]
 
 
 @dataclass

@@ -9,6 +9,7 @@ it leaves behind, and the same job again under plain DDP as the baseline. With
 of ranks for shift_one), once as the policy says and once with ``hierarchical: true`` added.
 """
 
+import functools
 import gc
 import os
 import threading
@@ -25,8 +26,13 @@ from harness.launch import save_results
 EPOCHS, BATCH = 8, 20
 
 
+@functools.cache
+def digits():
+    return digits_data.load()
+
+
 def data(rank, world):
-    x, y = digits_data.load()
+    x, y = digits()
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     return x, y, order[:1400][rank::world], order[1400:]
 
