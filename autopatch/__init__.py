@@ -34,7 +34,7 @@ def enable(policy=None, **overrides):
     global _session, _last
     import os
     from . import policy as _policy
-    from .patching import standing
+    from .patches.ledger import standing
     from .runtime import Session
     with _lock:
         if _session is not None:
@@ -57,13 +57,12 @@ def enable(policy=None, **overrides):
 def disable():
     """Undo every patch and hook; optimizers go on exactly as unpatched ones. Idempotent."""
     global _session
-    from .patching import standing
+    from .patches.ledger import LEDGER
     with _lock:
-        standing.uninstall()     # what an imported autopatch module gave torch (model.with_bagua)
-        if _session is None:
-            return
-        _session.runtime.uninstall()
-        _session = None
+        if _session is not None:
+            _session.runtime.uninstall()
+            _session = None
+        LEDGER.uninstall()       # anything still in place: model.with_bagua, and whatever a room left
 
 
 def session():

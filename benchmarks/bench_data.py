@@ -51,7 +51,6 @@ from autopatch.data.sampling.step_balance import distributed_sampler_indices, sp
 from autopatch.data.store.node_servers import node_server_urls  # noqa: E402
 from autopatch.data.store.redis_store import RedisStore  # noqa: E402
 from autopatch.data.zero_code.patches import DataPatches  # noqa: E402
-from autopatch.patching import Ledger  # noqa: E402
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -306,19 +305,19 @@ def _loader(dataset):
 
 
 def _patched(**settings):
-    ledger, patches = Ledger(), DataPatches(**settings)
-    patches.install(ledger)
-    return ledger, patches
+    patches = DataPatches(**settings)
+    patches.install()
+    return patches
 
 
 def _cache_round(kind, blobs, root, r):
     """(construction s, epoch 1 s, epoch 2 s, cached?) for one contender, from an empty cache."""
-    ledger = patches = None
+    patches = None
     if kind == "local":
-        ledger, patches = _patched(cache="local", path=str(root / f"round{r}"))
+        patches = _patched(cache="local", path=str(root / f"round{r}"))
     elif kind == "redis":
         RedisStore(hosts=node_server_urls(1 << 30)).clear()
-        ledger, patches = _patched(cache="redis", capacity=1 << 30)
+        patches = _patched(cache="redis", capacity=1 << 30)
     try:
         t0 = time.perf_counter()
         loader = _loader(PngDataset(blobs))
@@ -326,14 +325,14 @@ def _cache_round(kind, blobs, root, r):
         e1, e2 = epoch_seconds(loader), epoch_seconds(loader)
         cached = patches is None or bool(patches.describe()["cache"]["datasets"])
     finally:
-        if ledger is not None:
-            ledger.uninstall()
+        if patches is not None:
+            patches.uninstall()
     return built, e1, e2, cached
 
 
 def second_run(blobs_path, cache_dir):
     """One program run under the patches: its DataLoader's construction and first epoch."""
-    ledger, patches = _patched(cache="local", path=cache_dir)
+    patches = _patched(cache="local", path=cache_dir)
     t0 = time.perf_counter()
     loader = _loader(PngDataset(load_images(blobs_path)))
     built = time.perf_counter() - t0
@@ -375,15 +374,15 @@ def bench_cache(args):
         refusal = []
         for r in range(rounds):
             for patched in ([False, True] if r % 2 == 0 else [True, False]):
-                ledger = _patched(cache="local", path=str(root / "refused"))[0] if patched else None
+                patches = _patched(cache="local", path=str(root / "refused")) if patched else None
                 try:
                     t0 = time.perf_counter()
                     loader = _loader(AugmentedPng(blobs))
                     built = time.perf_counter() - t0
                     refusal.append((patched, built, epoch_seconds(loader)))
                 finally:
-                    if ledger is not None:
-                        ledger.uninstall()
+                    if patches is not None:
+                        patches.uninstall()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = statistics.median
@@ -467,7 +466,7 @@ def balance_rank(rank, init, steps):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     plain_sampler = DistributedSampler(dataset, seed=0)
     plain = DataLoader(dataset, batch_size=BATCH, sampler=plain_sampler, collate_fn=pad_batch)
-    ledger, patches = _patched(balance="len")
+    patches = _patched(balance="len")
     user_sampler = DistributedSampler(dataset, seed=0)
     balanced = DataLoader(dataset, batch_size=BATCH, sampler=user_sampler, collate_fn=pad_batch)
     assert type(balanced.sampler).__name__ == "FollowingSampler"
@@ -499,7 +498,7 @@ def balance_rank(rank, init, steps):
             spreads[name] += step_spreads(every, lengths, BATCH)
             padded[name].append(sum(max(BATCH * max(lengths[i] for i in ix[s:s + BATCH]) for ix in every)
                                     for s in range(0, len(every[0]), BATCH)))
-    ledger.uninstall()
+    patches.uninstall()
     if rank == 0:
         print(json.dumps({"times": times, "spreads": {k: spread_summary(v) for k, v in spreads.items()},
                           "padded": padded, "steps": len(plain)}))

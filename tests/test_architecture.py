@@ -89,6 +89,51 @@ def test_imports_follow_the_flow_between_rooms():
     assert "BROKEN" not in res.stdout and "KEPT" in res.stdout
 
 
+PATCHES = PACKAGE / "patches"
+# Calls that change torch for every object (an attribute of a torch class or module, a global hook,
+# a hook on an import): only the patch room makes them, each recorded in the one ledger.
+PATCHING_CALLS = {"wrap_function_wrapper", "register_post_import_hook", "register_module_forward_pre_hook",
+                  "register_module_forward_hook", "register_module_full_backward_hook",
+                  "register_module_full_backward_pre_hook", "register_module_backward_hook",
+                  "register_optimizer_step_pre_hook", "register_optimizer_step_post_hook"}
+LEDGER_NAMES = {"Ledger", "Section", "LEDGER"}
+
+
+def patching_outside_the_room(path):
+    """(line, text) of every call in the file at ``path`` that patches torch, and of every use of
+    the ledger itself: outside autopatch/patches/ both are defects (``disable()`` in
+    autopatch/__init__.py empties the ledger, and may name it)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if name in PATCHING_CALLS:
+                out.append((node.lineno, ast.unparse(node.func)))
+        elif isinstance(node, ast.ImportFrom) and "patches.ledger" in (node.module or "") or \
+                isinstance(node, ast.ImportFrom) and (node.module or "").endswith("patching"):
+            out += [(node.lineno, f"import {a.name}") for a in node.names if a.name in LEDGER_NAMES]
+    return out
+
+
+def test_every_patch_lives_in_the_patch_room():
+    found = [f"{path.relative_to(ROOT)}:{line}: {text}" for path in sorted(PACKAGE.rglob("*.py"))
+             if PATCHES not in path.parents and path != PACKAGE / "__init__.py"
+             for line, text in patching_outside_the_room(path)]
+    assert not found, "torch patched outside autopatch/patches/ (add a patch module there):\n" + "\n".join(found)
+
+
+def test_the_patch_rule_catches_what_it_is_about(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import wrapt, torch\nfrom ..patches.ledger import LEDGER, when_imported\n"
+                      "wrapt.wrap_function_wrapper(torch.nn.Module, 'forward', f)\n"
+                      "torch.nn.modules.module.register_module_forward_pre_hook(g)\n"
+                      "register_optimizer_step_pre_hook(h)\nmodel.register_forward_pre_hook(k)\n")
+    assert [text for _, text in patching_outside_the_room(sample)] == [
+        "import LEDGER", "wrapt.wrap_function_wrapper", "torch.nn.modules.module.register_module_forward_pre_hook",
+        "register_optimizer_step_pre_hook"]
+
+
 def knob_outside_its_setting(knob):
     """The default bounds of autotune's ``knob`` that the policy setting it sets refuses, as
     readable lines: a knob is declared by its setting, never with limits of its own."""

@@ -1,13 +1,13 @@
 """Running the gradient sync of DistributedDataParallel models, one record per model, and handing
 it back.
 
-Every DDP model built (ddp_patch.py offers each) gets one ``TakenModel`` record: its process group,
-and either the ``BucketedAllreduce`` and communication algorithm autopatch runs it with, or why
-DDP's own reducer keeps it (``left``). While autopatch runs it, DDP still builds the model (shapes
-checked across ranks, parameters and buffers broadcast from rank 0) and still runs its forward
-(buffer broadcast, ``state_dict`` keys, ``no_sync()``). Only the backward changes: during each
-forward ``require_backward_grad_sync`` is held False, which is what ``no_sync()`` itself does, so
-DDP's reducer stays idle. The user's own setting (True, or False inside ``no_sync()``) arms
+Every DDP model built (patches/ddp.py offers each) gets one ``TakenModel`` record: its process
+group, and either the ``BucketedAllreduce`` and communication algorithm autopatch runs it with, or
+why DDP's own reducer keeps it (``left``). While autopatch runs it, DDP still builds the model
+(shapes checked across ranks, parameters and buffers broadcast from rank 0) and still runs its
+forward (buffer broadcast, ``state_dict`` keys, ``no_sync()``). Only the backward changes: during
+each forward ``require_backward_grad_sync`` is held False, which is what ``no_sync()`` itself does,
+so DDP's reducer stays idle. The user's own setting (True, or False inside ``no_sync()``) arms
 autopatch's allreduce instead, and ``require_forward_param_sync`` is set as DDP would have set it.
 
 DDP keeps its reducer, with the reason in the report: where the policy asks for nothing only
@@ -38,13 +38,13 @@ import torch
 import torch.distributed as dist
 
 from ..listeners import Listeners
+from ..patches.ddp import DDPPatch
 from ..policy import PolicyError, check_setting
 from ..topology import topology, why_not_hierarchical
 from ..torch_internals import applied_in_backward, ddp_reducer_params, ddp_unsupported
 from .algorithm_choice import AlgorithmChoice
 from .allreduce import BucketedAllreduce
 from .compression import checked
-from .ddp_patch import DDPPatch
 from .sync_settings import SyncSettings
 from .model_algorithms import ModelAlgorithms
 from .takeover_log import TakeoverLog

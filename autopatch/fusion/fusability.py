@@ -15,7 +15,7 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
-from ..patching import own_objects
+from ..patches.ledger import own_objects
 from ..torch_internals import global_optimizer_hooks_silenced, hook_dicts, unhooked_step
 from .chunk_step import step_chunks
 from .multi_layer import MultiLayerStep

@@ -1,7 +1,8 @@
 """Mode forward: every public way torch offers to read a weight sees its pending update applied.
 
 Mode forward leaves each chunk's update pending from ``step()`` until its module's next forward.
-A read in between would see the weight before that update, so while forward fusion is active:
+A read in between would see the weight before that update, so while forward fusion is active
+(the patches: patches/module_reads.py):
 
 - whole-model reads apply every pending update first: module ``state_dict()`` and
   ``load_state_dict()``, ``torch.save``, and ``Module._apply`` (``to()``, ``cpu()``, ``cuda()``,
@@ -21,13 +22,12 @@ that mode forward holds itself since ``step()``: it applies nothing, so a loop c
 
 Not covered, because nothing cheap sees it: a parameter held in a variable (or reached through
 ``optimizer.param_groups`` or ``module._parameters``) and read after ``step()`` before its module
-runs. Mode auto's watch (observe.py) rules mode forward out when the first steps show such a read.
+runs. Mode auto's watch (watch.py) rules mode forward out when the first steps show such a read.
 """
 
-import functools
 import threading
 
-from ..patching import Ledger
+from ..patches.module_reads import ModuleReadsPatch
 
 
 class ForwardReads:
@@ -41,18 +41,14 @@ class ForwardReads:
                                    # place, as applying may free an optimizer and untrack it
         self.flush = flush         # applies every pending update
         self.local = threading.local()
-        self._ledger = None
+        self._patch = ModuleReadsPatch(self)
 
     def track(self, strategy):
         """``strategy`` runs mode forward from now on."""
         if strategy not in self.fusions:
             self.fusions += (strategy,)
-        if self._ledger is None:
-            import torch
-            ledger = Ledger()
-            ledger.hold(torch.nn.modules.module.register_module_forward_pre_hook(self._before_module))
-            self._install(ledger)
-            self._ledger = ledger
+        if not self._patch.installed:
+            self._patch.install()
 
     def untrack(self, strategy):
         self.fusions = tuple(f for f in self.fusions if f is not strategy)
@@ -60,26 +56,13 @@ class ForwardReads:
             self.close()
 
     def close(self):
-        if self._ledger is not None:
-            self._ledger.uninstall()
-            self._ledger = None
+        self._patch.uninstall()
 
-    def _before_module(self, module, args):
+    # -- what the patches call (patches/module_reads.py) -----------------------------------------
+    def before_module(self, module, args):
         for fusion in self.fusions:
             if fusion.has_pending():
                 fusion.apply_for(module)
-
-    def _install(self, ledger):
-        import torch
-        module, parameter = torch.nn.Module, torch.nn.Parameter
-        for owner, name in ((module, "state_dict"), (module, "load_state_dict"), (module, "_apply"),
-                            (torch, "save"), (torch.serialization, "save")):
-            ledger.wrap(owner, name, self._flush_first)
-        ledger.wrap(module, "named_parameters", self._each_fresh)
-        ledger.wrap(module, "zero_grad", self._without_applying)
-        ledger.wrap(torch.optim.Optimizer, "zero_grad", self._flush_before_zeroing)
-        ledger.wrap(parameter, "__deepcopy__", self._fresh_instance)
-        ledger.replace(module, "__getattr__", self._fresh_getattr(vars(module)["__getattr__"]))
 
     def fresh(self, param):
         """Apply the pending chunk holding ``param``, in whichever optimizer holds it."""
@@ -87,16 +70,16 @@ class ForwardReads:
             if fusion.holds_pending(param):
                 fusion.apply_param(param)
 
-    def _flush_first(self, wrapped, instance, args, kwargs):
+    def flush_first(self, wrapped, instance, args, kwargs):
         if self.fusions:
             self.flush()
         return wrapped(*args, **kwargs)
 
-    def _fresh_instance(self, wrapped, instance, args, kwargs):
+    def fresh_instance(self, wrapped, instance, args, kwargs):
         self.fresh(instance)
         return wrapped(*args, **kwargs)
 
-    def _each_fresh(self, wrapped, instance, args, kwargs):
+    def each_fresh(self, wrapped, instance, args, kwargs):
         items = wrapped(*args, **kwargs)
         if getattr(self.local, "grads_only", False):
             return items
@@ -107,12 +90,12 @@ class ForwardReads:
             self.fresh(param)
             yield name, param
 
-    def _flush_before_zeroing(self, wrapped, instance, args, kwargs):
+    def flush_before_zeroing(self, wrapped, instance, args, kwargs):
         if self.fusions and not kwargs.get("set_to_none", args[0] if args else True):
             self.flush()
         return wrapped(*args, **kwargs)
 
-    def _without_applying(self, wrapped, instance, args, kwargs):
+    def without_applying(self, wrapped, instance, args, kwargs):
         if self.fusions and not kwargs.get("set_to_none", args[0] if args else True):
             self.flush()
         outer = getattr(self.local, "grads_only", False)
@@ -121,21 +104,3 @@ class ForwardReads:
             return wrapped(*args, **kwargs)
         finally:
             self.local.grads_only = outer
-
-    def _fresh_getattr(self, original):
-        """``Module.__getattr__`` runs for every submodule and parameter attribute read, in every
-        forward: a plain function whose only extra work is one membership test per optimizer in mode
-        forward (benchmarks/bench_forward_reads.py measures it)."""
-        from ..torch_internals import is_compiling
-        reads = self
-
-        @functools.wraps(original)
-        def __getattr__(module, name):
-            value = original(module, name)
-            # torch.compile traces this function too: applying an update is no graph operation,
-            # so nothing is applied while it compiles.
-            for fusion in reads.fusions:
-                if fusion.holds_pending(value) and not is_compiling():
-                    fusion.apply_param(value)
-            return value
-        return __getattr__

@@ -16,10 +16,9 @@
 """
 
 import functools
-import sys
 import time
 
-from ..patching import Ledger
+from ..patches.autograd import AutogradBackwardPatch
 
 
 class PhaseClock:
@@ -33,9 +32,8 @@ class PhaseClock:
         self._data_at_start = 0.0
         self._step_start = None
         self._depth = 0
-        self._ledger = Ledger()
-        autograd = sys.modules["torch.autograd"]
-        self._ledger.replace(autograd, "backward", self._timed(vars(autograd)["backward"]))
+        self._patch = AutogradBackwardPatch()
+        self._patch.install(self._timed)
         self._forward_begins()
 
     def _forward_begins(self):
@@ -84,4 +82,4 @@ class PhaseClock:
         return out
 
     def close(self):
-        self._ledger.uninstall()
+        self._patch.uninstall()

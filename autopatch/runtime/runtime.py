@@ -10,14 +10,12 @@ comm room takes over.
 """
 
 import functools
-import sys
 import time
 import weakref
 
-import wrapt
-
 from .. import agreement
-from ..patching import Ledger, building_own_objects
+from ..patches.ledger import when_imported
+from ..patches.optimizer import OptimizerPatch
 from ..reporting.sections import ReportSections
 from .comm_view import CommView
 from .events import Events
@@ -27,7 +25,7 @@ class Runtime:
     def __init__(self, policy):
         from ..modes.forward_reads import ForwardReads
         self.policy = policy
-        self.ledger = Ledger()
+        self.optimizer_patch = OptimizerPatch(self.adopt, self._before_step)
         self.controllers = []
         self.events = Events()
         self.forward_reads = ForwardReads(self.flush)   # mode forward's patches, while it runs
@@ -39,7 +37,6 @@ class Runtime:
         self.gradient_sync = None     # the session's handle on the takeover
         self.data = None   # the data side's patches (data/), when the policy asks for them
         self.loader_waits = None   # the time spent waiting for batches (data/), for the breakdown
-        self._optimizers_patched = False
         self._by_id = {}
         self._live = weakref.WeakSet()    # the adopted optimizers still alive
         self._detach = lambda: None
@@ -65,7 +62,7 @@ class Runtime:
         if self.loader_waits is None:
             from ..data.zero_code.loader_waits import LoaderWaits
             self.loader_waits = LoaderWaits()
-            self.loader_waits.install(self.ledger)
+            self.loader_waits.install()
 
     def _serve_data(self):
         """The data side (data/), when the policy asks: every DataLoader's map-style dataset
@@ -77,30 +74,22 @@ class Runtime:
         from ..data.zero_code.patches import DataPatches
         patches = DataPatches(cache=data.cache_backend, name=data.cache_name, capacity=data.cache_capacity,
                               path=data.cache_path, balance=data.load_balance)
-        patches.install(self.ledger)
+        patches.install()
         self.data = patches
         self.sections.add("data", lambda: dict(patches.describe(), active=True))
 
     def _when_imported(self, name, patch):
-        """``patch(module)`` now if ``name`` is imported, else right after its import."""
-        if name in sys.modules:
-            patch(sys.modules[name])
-            return
-
-        def hook(module):
-            if self.active:   # wrapt hooks cannot be unregistered: a disabled runtime ignores it
-                patch(module)
-        wrapt.register_post_import_hook(hook, name)
+        """``patch(module)`` now if ``name`` is imported, else right after its import (a disabled
+        runtime ignores the import: hooks on imports cannot be unregistered)."""
+        when_imported(name, patch, still_wanted=lambda: self.active)
 
     def _patch_torch(self, optim):
-        if self._optimizers_patched:
-            return
-        self._optimizers_patched = True
         from ..torch_internals import torch_report, warn_if_untested
+        if self.optimizer_patch.installed:
+            return
         warn_if_untested()
         self.sections.add("torch", torch_report)
-        self.ledger.wrap(optim.Optimizer, "__init__", self._after_init)
-        self.ledger.hold(sys.modules[optim.Optimizer.__module__].register_optimizer_step_pre_hook(self._before_step))
+        self.optimizer_patch.install(optim)
 
     @staticmethod
     def _is_wrapper(obj):
@@ -144,11 +133,6 @@ class Runtime:
             return section
         from ..reporting.sharded_params import note_collectives
         return note_collectives(section, optimizers)
-
-    def _after_init(self, wrapped, instance, args, kwargs):
-        wrapped(*args, **kwargs)
-        if not building_own_objects():
-            self.adopt(instance)
 
     def _before_step(self, opt, args, kwargs):
         """An optimizer built before enable() is adopted as its first step since begins."""
@@ -202,4 +186,6 @@ class Runtime:
         for ctrl in self.controllers:
             ctrl.release()
         self.forward_reads.close()
-        self.ledger.uninstall()
+        if self.data is not None:
+            self.data.uninstall()
+        self.optimizer_patch.uninstall()

@@ -14,7 +14,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from autopatch.data import LoadBalancingDistributedSampler
 from autopatch.data.zero_code.patches import DataPatches
 from autopatch.policy import cache_backend
-from autopatch.patching import Ledger
 from spawn import clean_env, run_python, spawn_two_ranks, write_script
 from data_fixtures import (Features, NumpyAugmented, PythonAugmented, Stream, TorchAugmented, policy_for, run_job,
                            same_batches)
@@ -23,17 +22,17 @@ from data_fixtures import (Features, NumpyAugmented, PythonAugmented, Stream, To
 @pytest.fixture
 def data_patches(tmp_path):
     """Install with the local store in a fresh directory; uninstall however the test ends."""
-    ledgers = []
+    installed = []
 
     def install(**settings):
-        ledger, patches = Ledger(), DataPatches(**{"cache": "1", "path": tmp_path / "cache", **settings})
-        patches.install(ledger)
-        ledgers.append(ledger)
+        patches = DataPatches(**{"cache": "1", "path": tmp_path / "cache", **settings})
+        patches.install()
+        installed.append(patches)
         return patches
 
     yield install
-    for ledger in ledgers:
-        ledger.uninstall()
+    for patches in installed:
+        patches.uninstall()
 
 
 def rng_states():
@@ -103,13 +102,13 @@ def test_a_sample_that_changes_during_the_run_turns_the_cache_off(data_patches):
 
 def test_install_and_uninstall_restore_dataloader_exactly(tmp_path):
     originals = {k: vars(DataLoader)[k] for k in ("__init__", "__iter__")}
-    ledger, patches = Ledger(), DataPatches(cache="local", path=tmp_path / "c", balance="len")
-    patches.install(ledger)
+    patches = DataPatches(cache="local", path=tmp_path / "c", balance="len")
+    patches.install()
     assert vars(DataLoader)["__init__"] is not originals["__init__"]
     dataset = Features(16)
     sampler = DistributedSampler(dataset, num_replicas=2, rank=0)
     during = DataLoader(dataset, batch_size=4, sampler=sampler)
-    ledger.uninstall()
+    patches.uninstall()
     assert {k: vars(DataLoader)[k] for k in originals} == originals
     after = DataLoader(dataset, batch_size=4, sampler=sampler)
     assert after.dataset is dataset and after.sampler is sampler

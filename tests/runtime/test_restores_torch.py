@@ -1,6 +1,8 @@
 """disable() leaves torch as it was under every builtin policy: after a step with a DDP model, a
 DataLoader and Bagua's ``model.with_bagua``, every class and module autopatch patches holds the
-same objects under the same names as before the first enable().
+same objects under the same names as before the first enable(), the one ledger of patches
+(autopatch/patches/ledger.py) holds nothing, and while enabled everything that differed from
+torch's own was recorded in that ledger (a patch made anywhere else fails here).
 
 One subprocess runs every policy in turn (support/restores_torch_worker.py): ``import
 autopatch.contrib.bagua`` patches only the first time a process runs it, which a test process

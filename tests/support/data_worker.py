@@ -21,7 +21,6 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from autopatch.data.store.node_servers import KEY, node_server_urls
 from autopatch.data.zero_code.patches import DataPatches
-from autopatch.patching import Ledger
 from data_fixtures import Features
 
 SUITE, RANK, INIT_FILE, OUT = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -36,9 +35,8 @@ class Sequences(Features):
 
 
 def zero_code():
-    ledger = Ledger()
     patches = DataPatches(cache="redis", capacity=32 << 20, balance="len")
-    patches.install(ledger)
+    patches.install()
     dataset = Sequences(40, load_seconds=0.005)   # slow enough that Redis pays even on a busy machine
     sampler = DistributedSampler(dataset, seed=3)
     loader = DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=1,
@@ -48,7 +46,7 @@ def zero_code():
         sampler.set_epoch(epoch)   # on the user's own sampler object
         epochs.append([i for batch in loader for i in batch])
     report = patches.describe()
-    ledger.uninstall()
+    patches.uninstall()
     from autopatch.torch_internals import default_store
     return {"epochs": epochs, "urls": node_server_urls(), "report": report,
             "sampler": type(loader.sampler).__name__, "published": default_store().get(KEY.format(0)).decode()}
@@ -66,9 +64,8 @@ class RankLengths(Features):
 
 
 def agreement():
-    ledger = Ledger()
     patches = DataPatches(cache="local", path=CACHE_DIR, balance="len")
-    patches.install(ledger)
+    patches.install()
     slow_here = Features(32, load_seconds=0.004 if RANK == 0 else 0.0)
     cached = DataLoader(slow_here, batch_size=4)
     dataset = RankLengths(40)
@@ -79,7 +76,7 @@ def agreement():
         sampler.set_epoch(epoch)
         epochs.append([i for batch in loader for i in batch])
     report = patches.describe()
-    ledger.uninstall()
+    patches.uninstall()
     return {"epochs": epochs, "report": report, "cached_type": type(cached.dataset).__name__}
 
 

@@ -1,7 +1,9 @@
 """One process that trains a step under every builtin policy in turn, on a one-rank gloo group, and
 says after each ``disable()`` what of torch differs from before the first ``enable()``.
 
-``python restores_torch_worker.py CACHE_DIR`` prints one JSON line: ``{case: [difference, ...]}``.
+``python restores_torch_worker.py CACHE_DIR`` prints one JSON line: ``{case: [difference, ...]}``:
+what differs after ``disable()``, what the ledger still holds then, and what differed while
+enabled that the ledger (autopatch/patches/ledger.py) did not record.
 Each case also imports ``autopatch.contrib.bagua`` and calls ``model.with_bagua`` the way a
 script written for Bagua does; the case ``data`` is the default policy with the data side on.
 """
@@ -22,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 import autopatch
+from autopatch.patches.ledger import LEDGER
 from autopatch.policy import builtin_names
 from training import batches, mlp
 
@@ -37,15 +40,26 @@ def snapshot():
     return {name: dict(vars(target)) for name, target in TARGETS.items()}
 
 
-def differences(before):
-    """What was added, removed or replaced since ``before``, as readable lines."""
+def changed(before):
+    """(target name, attribute, how) of what was added, removed or replaced since ``before``."""
     out = []
     for name, was in before.items():
         now = vars(TARGETS[name])
-        out += [f"{name}.{k} added" for k in now.keys() - was.keys()]
-        out += [f"{name}.{k} removed" for k in was.keys() - now.keys()]
-        out += [f"{name}.{k} replaced" for k in was.keys() & now.keys() if now[k] is not was[k]]
+        out += [(name, k, "added") for k in now.keys() - was.keys()]
+        out += [(name, k, "removed") for k in was.keys() - now.keys()]
+        out += [(name, k, "replaced") for k in was.keys() & now.keys() if now[k] is not was[k]]
     return sorted(out)
+
+
+def differences(before):
+    return [f"{name}.{k} {how}" for name, k, how in changed(before)]
+
+
+def unrecorded(before):
+    """What differs from ``before`` now that the ledger does not hold: a patch made elsewhere."""
+    recorded = {(id(owner), attr) for entry in LEDGER.installed().values() for owner, attr in entry["attributes"]}
+    return [f"{name}.{k} {how} without the ledger" for name, k, how in changed(before)
+            if (id(TARGETS[name]), k) not in recorded]
 
 
 def one_step(bagua=False):
@@ -79,8 +93,9 @@ def main(cache_dir):
         importlib.import_module("autopatch.contrib.bagua")   # as Bagua's scripts do
         assert hasattr(nn.Module, "with_bagua"), case
         one_step(bagua=True)
+        while_enabled = unrecorded(before)
         autopatch.disable()
-        found[case] = differences(before)
+        found[case] = differences(before) + while_enabled + [f"the ledger still holds {t}" for t in LEDGER.installed()]
     dist.destroy_process_group()
     print(json.dumps(found))
 

@@ -1,13 +1,13 @@
 """Background averaging stops before torch.distributed does: at exit and in destroy_process_group.
 
-A collective still under way when its process group is destroyed never completes (its wait
-ignores the timeout), and a gloo worker still inside one when the interpreter exits aborts the
-process ("terminate called without an active exception"). So while any background averaging is
-alive, ``torch.distributed.destroy_process_group`` first stops it (the stop is agreed among the
-ranks, each of which gets there by its own destroy, exit or ``abort()``), and an ``atexit``
-handler does the same for scripts that never destroy their group. The patch is recorded in a
-``Ledger`` and removed when the last averaging closes; ``atexit`` handlers run before the
-interpreter tears threads and modules down, and torch registers none of its own.
+A collective still under way when its process group is destroyed never completes (its wait ignores
+the timeout), and a gloo worker still inside one when the interpreter exits aborts the process
+("terminate called without an active exception"). So while any background averaging is alive,
+``torch.distributed.destroy_process_group`` first stops it (the stop is agreed among the ranks,
+each of which gets there by its own destroy, exit or ``abort()``), and an ``atexit`` handler does
+the same for scripts that never destroy their group. The patch (patches/process_group.py) is
+removed when the last averaging closes; ``atexit`` handlers run before the interpreter tears
+threads and modules down, and torch registers none of its own.
 
 A script that dies of an uncaught exception must not wait at exit for the others to finish (they
 would train on alone, and it would be the job's failure that nobody sees): the interpreter has
@@ -21,13 +21,11 @@ import threading
 import weakref
 
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
-from ...patching import Ledger
+from ...patches.process_group import ProcessGroupPatch
 
 _live = weakref.WeakSet()
 _lock = threading.Lock()
-_ledger = Ledger()
 _at_exit = {"registered": False}
 
 
@@ -35,10 +33,8 @@ def register(averaging):
     """``averaging`` has ``close()``, which stops it, and ``groups``, the process groups it uses;
     it is closed before any of them, or the whole of torch.distributed, is destroyed."""
     with _lock:
-        if not _live:
-            for module in (dist, c10d):
-                if "destroy_process_group" in vars(module):
-                    _ledger.wrap(module, "destroy_process_group", _closing_first)
+        if not _patch.installed:
+            _patch.install()
         _live.add(averaging)
         if not _at_exit["registered"]:
             atexit.register(close_all)
@@ -49,7 +45,7 @@ def unregister(averaging):
     with _lock:
         _live.discard(averaging)
         if not _live:
-            _ledger.uninstall()
+            _patch.uninstall()
 
 
 def close_all():
@@ -63,10 +59,12 @@ def close_all():
             averaging.close()
 
 
-def _closing_first(wrapped, instance, args, kwargs):
-    group = args[0] if args else kwargs.get("group")
+def _closing_first(group):
+    """``group`` (None: every group) is about to be destroyed: the averaging using it stops first."""
     everything = group is None or group is dist.GroupMember.WORLD
     for averaging in list(_live):
         if everything or any(g is group for g in averaging.groups):
             averaging.close()
-    return wrapped(*args, **kwargs)
+
+
+_patch = ProcessGroupPatch(_closing_first)

@@ -18,7 +18,7 @@ from .. import fuse_optimizer  # noqa: F401  (bagua.contrib.fuse_optimizer is re
 from .. import with_bagua as _with_bagua_function
 from . import algorithms  # noqa: F401
 from ... import contrib  # noqa: F401
-from ...patching import standing
+from ...patches.bagua_method import give_modules
 
 __all__ = ["init_process_group", "get_rank", "get_world_size", "get_local_rank", "get_local_size",
            "with_bagua", "algorithms", "contrib"]
@@ -69,4 +69,4 @@ def with_bagua(self, optimizers, algorithm, process_group=None, do_flatten=True)
     return _with_bagua_function(self, optimizers, algorithm, process_group=process_group, do_flatten=do_flatten)
 
 
-standing.add(torch.nn.Module, "with_bagua", with_bagua)
+give_modules(with_bagua)

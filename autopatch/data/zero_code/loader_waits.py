@@ -1,17 +1,13 @@
 """How long the training loop waits for its batches: the time inside every DataLoader iterator's
-``__next__``, in every enabled run (the report's breakdown reads it).
+``__next__`` (patches/loader_iterator.py), in every enabled run (the report's breakdown reads it).
 
-One plain function replaces ``__next__`` (cheaper per batch than a wrapt wrapper): two
-``perf_counter`` calls and two additions. Which datasets were iterated is noted once per
-iterator (at its construction, once an epoch), for the advice: a map-style dataset is one the
-cache can be asked to serve.
+Which datasets were iterated is noted once per iterator (at its construction, once an epoch), for
+the advice: a map-style dataset is one the cache can be asked to serve.
 """
-
-import time
 
 from torch.utils.data import IterableDataset
 
-from ...torch_internals import loader_iterator_class
+from ...patches.loader_iterator import LoaderIteratorPatch
 
 MAX_DATASETS = 8     # datasets described in the report; more are counted only
 
@@ -23,28 +19,9 @@ class LoaderWaits:
         self.datasets = {}     # id(dataset) -> its description, the first MAX_DATASETS
         self.more_datasets = 0
 
-    def install(self, ledger):
+    def install(self):
         """Time ``__next__`` of every DataLoader iterator (call once ``torch.utils.data`` is imported)."""
-        iterator = loader_iterator_class()
-        if iterator is None:
-            return
-        next_batch, init = vars(iterator)["__next__"], vars(iterator)["__init__"]
-        waits = self
-
-        def __next__(it):
-            t0 = time.perf_counter()
-            try:
-                return next_batch(it)
-            finally:
-                waits.seconds += time.perf_counter() - t0
-                waits.batches += 1
-
-        def __init__(it, loader, *args, **kwargs):
-            init(it, loader, *args, **kwargs)
-            waits.note(loader)
-
-        ledger.replace(iterator, "__next__", __next__)
-        ledger.replace(iterator, "__init__", __init__)
+        LoaderIteratorPatch(self).install()
 
     def note(self, loader):
         dataset = loader.dataset

@@ -1,35 +1,25 @@
-"""The data side without code changes, installed into an autopatch ledger.
+"""The data side without code changes: what the DataLoader patch (patches/dataloader.py) does.
 
 ``DataPatches(cache=..., balance=...)`` takes plain settings (a policy's ``data`` section, or
 ``FUSEDOPT_DATA_CACHE`` / ``FUSEDOPT_DATA_BALANCE``), checks their form at once, and imports
 nothing heavy: ``install`` patches DataLoader when ``torch.utils.data`` is imported (at once if it
-is already), through ``loader_hooks.LoaderHooks``. That may happen inside the program's
+is already), with ``loader_hooks.LoaderHooks`` as the patch's wrappers. That may happen inside the program's
 ``import torch``, which must never fail for autopatch's sake: a failure there is a warning, the
 data patches stay off, and the report says why (``FUSEDOPT_STRICT=1`` raises it instead).
 Nothing a setting names is imported or called here (``complexity.py`` decides, when a sampler is
-built). Uninstalling the ledger restores DataLoader and hands loaders built meanwhile back their
-own dataset and sampler, and lets go of the cache's counters and connections.
+built). ``uninstall`` (or ``disable()``, which removes every patch) restores DataLoader and hands
+loaders built meanwhile back their own dataset and sampler, and lets go of the cache's counters
+and connections.
 """
 
-import sys
 import warnings
 
-import wrapt
-
 from ... import env
+from ...patches.dataloader import DataLoaderPatch
+from ...patches.ledger import when_imported
 from ...policy import cache_backend, complexity_spec
 
 __all__ = ["DataPatches"]
-
-
-class _Deactivation:
-    """Held by the ledger, so that uninstalling it also deactivates the patches."""
-
-    def __init__(self, patches):
-        self.patches = patches
-
-    def remove(self):
-        self.patches.deactivate()
 
 
 class DataPatches:
@@ -46,7 +36,7 @@ class DataPatches:
         self.hooks = None      # the LoaderHooks of the current installation (kept for describe)
         self.active = False
         self.off = None        # why the patches could not be installed, if they could not
-        self._patched = False
+        self._patch = None     # the DataLoaderPatch in place
 
     @property
     def served(self):
@@ -57,39 +47,41 @@ class DataPatches:
     def wanted(self):
         return self.backend is not None or self.balance is not None
 
-    def install(self, ledger):
+    def install(self):
         """Patch DataLoader now, or when ``torch.utils.data`` is first imported."""
         if not self.wanted or self.active:
             return
         self.active = True
-        ledger.hold(_Deactivation(self))
-        if "torch.utils.data" in sys.modules:
-            self._patch(ledger, sys.modules["torch.utils.data"])
-        else:
-            wrapt.register_post_import_hook(lambda module: self._patch(ledger, module), "torch.utils.data")
+        when_imported("torch.utils.data", self._patched, still_wanted=lambda: self.active)
 
-    def _patch(self, ledger, module):
-        if not self.active or self._patched:   # post-import hooks cannot be unregistered
+    def _patched(self, module):
+        if not self.active or self._patch is not None:
             return
         try:
             from .loader_hooks import LoaderHooks
             hooks = LoaderHooks(self)
-            ledger.wrap(module.DataLoader, "__init__", hooks.on_init)
-            if self.backend is not None:
-                ledger.wrap(module.DataLoader, "__iter__", hooks.on_iter)
+            patch = DataLoaderPatch(hooks.on_init, hooks.on_iter if self.backend is not None else None,
+                                    on_removal=self._removed)
+            patch.install(module)
         except Exception as e:
             self.off = f"the data patches could not be installed: {type(e).__name__}: {e}"
             if env.flag(env.STRICT):
                 raise
             warnings.warn(f"autopatch: {self.off}; DataLoader is left as it is", RuntimeWarning, stacklevel=2)
             return
-        self.hooks, self._patched = hooks, True
+        self.hooks, self._patch = hooks, patch
 
-    def deactivate(self):
+    def uninstall(self):
+        """Restore DataLoader; loaders built meanwhile get their own dataset and sampler back."""
         self.active = False
-        if self._patched:
-            self.hooks.hand_back()
-            self._patched = False
+        if self._patch is not None:
+            self._patch.uninstall()
+
+    def _removed(self):
+        """The patch is being removed (``uninstall``, or ``disable()`` removing every patch)."""
+        self.active = False
+        self._patch = None
+        self.hooks.hand_back()
 
     def describe(self):
         """The report's ``data`` section: what was cached, how often it hit, what was left

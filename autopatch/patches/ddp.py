@@ -1,4 +1,7 @@
-"""The patches on DistributedDataParallel, and nothing else: where a DDP model meets autopatch.
+"""DistributedDataParallel: where a DDP model meets autopatch's takeover of its gradient sync.
+
+Targets: ``DistributedDataParallel.__init__``, ``forward`` and the calls of
+``torch_internals.DDP_HANDING_BACK`` (all wrapped). Internals: that table's method names.
 
 - ``__init__``: every model built is offered to the takeover once DDP has built it (DDP checks
   shapes across ranks and broadcasts parameters and buffers from rank 0 as always);
@@ -16,27 +19,26 @@ the class.
 
 import weakref
 
-from ..patching import Ledger
 from ..torch_internals import DDP_HANDING_BACK
+from .ledger import Patch
 
 JOIN = "join_hook"      # a Join context: the model's ranks may step unevenly from now on
 
 
-class DDPPatch:
+class DDPPatch(Patch):
+    target = "ddp"
+
     def __init__(self, takeover):
         self.takeover = takeover
-        self.ledger = Ledger()
         self._building = weakref.WeakSet()      # models inside DDP's __init__: offered once built
 
     def install(self, distributed_module):
         ddp_class = distributed_module.DistributedDataParallel
-        self.ledger.wrap(ddp_class, "__init__", self._after_init)
-        self.ledger.wrap(ddp_class, "forward", self._forward)
+        section = self._open()
+        section.wrap(ddp_class, "__init__", self._after_init)
+        section.wrap(ddp_class, "forward", self._forward)
         for name, reason in DDP_HANDING_BACK.items():
-            self.ledger.wrap(ddp_class, name, self._handing_back(reason, uneven=name == JOIN))
-
-    def uninstall(self):
-        self.ledger.uninstall()
+            section.wrap(ddp_class, name, self._handing_back(reason, uneven=name == JOIN))
 
     def _after_init(self, wrapped, instance, args, kwargs):
         self._building.add(instance)        # DDP's __init__ may call what hands a model back
