@@ -1,12 +1,13 @@
 """Fixtures: an autopatch that is off again after each test, and the installed package's .pth line."""
 
 import os
+import shutil
 
 import pytest
 import torch
 
 import autopatch
-from spawn import site_packages
+from spawn import short_temp_dir, site_packages
 
 
 @pytest.fixture
@@ -26,6 +27,14 @@ def installed():
     pth = site_packages() / "autopatch.pth"
     assert pth.is_file(), f"{pth} is missing: install the package (pip install -e .) first"
     return pth
+
+
+@pytest.fixture
+def child_tmpdir():
+    """An empty directory, with a short path, for a child process's ``TMPDIR`` (spawn.short_temp_dir)."""
+    path = short_temp_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -84,12 +84,11 @@ for i, batch in enumerate(batches(5000, width=32, batch=16)):
 """
 
 
-def test_bagua_flags_give_the_csv_the_policy_keys_give(ap, tmp_path):
+def test_bagua_flags_give_the_csv_the_policy_keys_give(ap, tmp_path, child_tmpdir):
     policy_file = tmp_path / "fast.yaml"
     policy_file.write_text(FAST_YAML)
     script = write_script(tmp_path / "job.py", JOB)
-    temp = tmp_path / "temp"
-    temp.mkdir()
+    temp = child_tmpdir
     out = run_python(["-m", "autopatch", "run", "--policy", policy_file, "--autotune_level", "1",
                       "--autotune_max_samples", "5", "--autotune_sampling_confidence_time", "0.02",
                       "--autotune_warmup_time", "0", "--is_output_autotune_log", script],

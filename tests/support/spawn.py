@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -50,6 +51,14 @@ def run_python(args, env=None, cwd=None, timeout=180, python=sys.executable):
 def write_script(path, text):
     path.write_text(textwrap.dedent(text).lstrip())
     return path
+
+
+def short_temp_dir():
+    """A new empty directory for a child's ``TMPDIR``, with a short path: sockets made in it
+    (multiprocessing's resource sharer, which DataLoader workers use to send tensors) need a path
+    under 108 bytes, and pytest's own temporary paths (longer still under pytest-xdist) leave too
+    little of it. The caller removes it."""
+    return Path(tempfile.mkdtemp(prefix="ap-"))
 
 
 def site_packages():

@@ -12,12 +12,13 @@ import os
 import signal
 import subprocess
 import sys
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from spawn import IMPORT_PATH, SUPPORT, patience
+from spawn import IMPORT_PATH, SUPPORT, patience, short_temp_dir
 
 SCRIPT = SUPPORT / "fault_job.py"
 CONTENDERS = ("ddp", "gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "async",
@@ -53,13 +54,13 @@ def free_port():
 
 
 def start(contender, out, fault="none", fault_rank=0, fault_step=10, steps=60, restarts=0, **env):
-    """The job, started: (process, token)."""
+    """The job, started: (process, token, its TMPDIR, which the caller removes)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tmp").mkdir(exist_ok=True)
+    tmp = short_temp_dir()
     token = uuid.uuid4().hex
     full = {k: v for k, v in os.environ.items()
             if not k.startswith(("FUSEDOPT_", "TORCHELASTIC_")) and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    full.update(PYTHONPATH=IMPORT_PATH, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TMPDIR=str(out / "tmp"),
+    full.update(PYTHONPATH=IMPORT_PATH, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TMPDIR=str(tmp),
                 FAULT_JOB_TOKEN=token, FAULT_OUT=str(out), FAULT=fault, FAULT_RANK=str(fault_rank),
                 FAULT_STEP=str(fault_step), FAULT_STEPS=str(steps))
     if contender != "ddp":
@@ -70,7 +71,7 @@ def start(contender, out, fault="none", fault_rank=0, fault_step=10, steps=60, r
     log = open(out / "log", "w")
     proc = subprocess.Popen(argv, env=full, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
-    return proc, token
+    return proc, token, tmp
 
 
 class Running:
@@ -81,7 +82,7 @@ class Running:
         self.out, self.signal = out, signal_to_send
         self.deadline = time.monotonic() + patience(timeout)
         self.limit = patience(timeout)
-        self.proc, self.token = start(contender, out, **kw)
+        self.proc, self.token, self.tmp = start(contender, out, **kw)
 
     def poll(self):
         if self.signal is not None and self.proc.poll() is None and (self.out / "ready").exists():
@@ -97,11 +98,11 @@ class Running:
     def result(self):
         ended = time.time()
         orphans = [cmd for _, cmd in processes_of(self.token)]
+        leftovers = sorted(p.name for p in self.tmp.iterdir() if p.name.startswith("autopatch-"))
         self.stop()
         fault = self.out / "fault.time"
         return Job(self.proc.returncode, ended - float(fault.read_text()) if fault.exists() else float("nan"),
-                   sorted(p.name for p in (self.out / "tmp").iterdir() if p.name.startswith("autopatch-")),
-                   orphans, self.out, (self.out / "log").read_text())
+                   leftovers, orphans, self.out, (self.out / "log").read_text())
 
     def stop(self):
         """Kill the job, if still running, and every process of it left."""
@@ -113,6 +114,7 @@ class Running:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def run(contender, out, **kw):
