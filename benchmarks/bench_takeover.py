@@ -8,8 +8,11 @@ contender is a job of its own, started zero-code:
 - ``default``: ``FUSEDOPT_ENABLE=1`` and nothing else, as a user starts it (the default policy:
   mode auto, and DDP's gradient sync wherever nothing asks for autopatch's); target: within 2% of
   ``ddp``;
-- ``intercept``: ``FUSEDOPT_ENABLE=1`` with ``allreduce.enabled: false``: autopatch's optimizer
-  interception alone, DDP keeping its sync (what the runtime costs, apart from communication);
+- ``intercept``: ``FUSEDOPT_ENABLE=1`` with ``fusion.mode: off`` and ``allreduce.enabled: false``:
+  autopatch's optimizer interception alone, DDP keeping its sync (what the runtime costs, apart
+  from communication);
+- ``off``, ``multi_layer``, ``forward``: the default policy with that mode named
+  (``FUSEDOPT_MODE``), to set what auto chose against its choice named from the start;
 - ``gradient_allreduce``, ``bytegrad``, ``low_precision_decentralized``: ``FUSEDOPT_ENABLE=1
   FUSEDOPT_POLICY=<builtin policy> FUSEDOPT_MODE=off`` (no fusion, so only communication differs);
 - ``gradient_allreduce_1mib``: the same with 1 MiB buckets (the mlp's gradients in several
@@ -58,6 +61,7 @@ from harness.report import markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 ALGORITHMS = ("gradient_allreduce", "bytegrad", "low_precision_decentralized")
+NAMED_MODES = ("off", "multi_layer", "forward")
 INTERCEPT_ONLY = "version: 1\nname: intercept\nfusion:\n  mode: off\nallreduce:\n  enabled: false\n"
 SMALL_BUCKETS = "version: 1\nname: small-buckets\nallreduce:\n  enabled: true\n  bucket_bytes: 1MiB\n"
 TARGET = 1.10     # gradient_allreduce's step time over DDP's on the tiny model
@@ -139,6 +143,8 @@ def contenders(args, tmp):
     intercept.write_text(INTERCEPT_ONLY)
     autopatch = {"default": {"FUSEDOPT_ENABLE": 1},
                  "intercept": {"FUSEDOPT_ENABLE": 1, "FUSEDOPT_POLICY": intercept}}
+    for mode in NAMED_MODES:
+        autopatch[mode] = {"FUSEDOPT_ENABLE": 1, "FUSEDOPT_MODE": mode}
     for name in ALGORITHMS:
         autopatch[name] = {"FUSEDOPT_ENABLE": 1, "FUSEDOPT_POLICY": name, "FUSEDOPT_MODE": "off"}
     small = tmp / "small-buckets.yaml"
