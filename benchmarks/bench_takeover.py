@@ -13,6 +13,8 @@ contender is a job of its own, started zero-code:
   from communication);
 - ``off``, ``multi_layer``, ``forward``: the default policy with that mode named
   (``FUSEDOPT_MODE``), to set what auto chose against its choice named from the start;
+- ``no_breakdown``: the default policy without the report's per-step breakdown
+  (``FUSEDOPT_BREAKDOWN=0``), to show what the breakdown's clocks cost a step;
 - ``gradient_allreduce``, ``bytegrad``, ``low_precision_decentralized``: ``FUSEDOPT_ENABLE=1
   FUSEDOPT_POLICY=<builtin policy> FUSEDOPT_MODE=off`` (no fusion, so only communication differs);
 - ``gradient_allreduce_1mib``: the same with 1 MiB buckets (the mlp's gradients in several
@@ -145,6 +147,7 @@ def contenders(args, tmp):
                  "intercept": {"FUSEDOPT_ENABLE": 1, "FUSEDOPT_POLICY": intercept}}
     for mode in NAMED_MODES:
         autopatch[mode] = {"FUSEDOPT_ENABLE": 1, "FUSEDOPT_MODE": mode}
+    autopatch["no_breakdown"] = {"FUSEDOPT_ENABLE": 1, "FUSEDOPT_BREAKDOWN": 0}
     for name in ALGORITHMS:
         autopatch[name] = {"FUSEDOPT_ENABLE": 1, "FUSEDOPT_POLICY": name, "FUSEDOPT_MODE": "off"}
     small = tmp / "small-buckets.yaml"
