@@ -38,7 +38,7 @@ step, and the process's, gloo's threads included);
 per contender: the medians over rounds, and its ratio to ``ddp``, the median of per-round ratios
 (both blocks measured within a second or so of each other). Every job hashes rank 0's final
 weights, to show which contenders trained exactly as DDP did (every job trains the same steps on
-the same batches).
+the same batches), and says the fusion mode rank 0's optimizer ended in (auto's choice).
 
     python benchmarks/bench_takeover.py                        # tiny and mlp, 2 and 4 ranks
     python benchmarks/bench_takeover.py --baseline ../old      # old and new in the same rounds
@@ -124,8 +124,17 @@ def worker(args):
         digest = hashlib.sha256()
         for p in model.parameters():
             digest.update(p.detach().numpy().tobytes())
-        baton.answer({"weights": digest.hexdigest()})
+        baton.answer({"weights": digest.hexdigest(), "mode": mode_in_effect()})
     dist.destroy_process_group()
+
+
+def mode_in_effect():
+    """The fusion mode autopatch runs the optimizer in at the end (auto's choice), or '-' unpatched."""
+    import autopatch
+    if not autopatch.is_enabled():
+        return "-"
+    optimizers = autopatch.report()["optimizers"]
+    return optimizers[0]["mode"] if optimizers else "-"
 
 
 def profiled(steps, n, to):
@@ -187,20 +196,20 @@ def measure(args, model, world, jobs):
         for name, per_round in rounds.items():
             print(f"  {model} x{world} {name}: " + " ".join(f"{1e3 * res['median']:.3f}" if res else "-"
                                                          for res in per_round), file=sys.stderr, flush=True)
-    weights = {name: (last.get(name) or {}).get("weights") for name in jobs}
-    return rounds, weights
+    ends = {name: last.get(name) or {} for name in jobs}
+    return rounds, {n: end.get("weights") for n, end in ends.items()}, {n: end.get("mode", "?") for n, end in ends.items()}
 
 
-def table(model, rounds, weights):
+def table(model, rounds, weights, modes):
     ddp = rounds["ddp"]
     header = ["contender", "ms/step (median)", "mean ms/step", "vs ddp (median of rounds)",
               "over ddp, ms/step", "CPU ms/step: thread", "process", "weights = ddp's",
-              "target"]
+              "mode at the end", "target"]
     rows = []
     for name, per_round in rounds.items():
         done = [(r, res) for r, res in enumerate(per_round) if res is not None and ddp[r] is not None]
         if not done:
-            rows.append([name, "failed", "", "", "", "", "", "", ""])
+            rows.append([name, "failed", "", "", "", "", "", "", "", ""])
             continue
         median = statistics.median(res["median"] for _, res in done)
         mean = statistics.median(res["mean"] for _, res in done)
@@ -216,7 +225,7 @@ def table(model, rounds, weights):
             target = f"<= {DEFAULT_TARGET:.2f}x {'met' if ratio <= DEFAULT_TARGET else 'NOT met'}"
         rows.append([name, f"{1e3 * median:.3f}", f"{1e3 * mean:.3f}", f"{ratio:.3f}x", f"{1e3 * over:+.3f}",
                      f"{1e3 * thread:.3f}", f"{1e3 * cpu:.3f}",
-                     "yes" if same else "no", target])
+                     "yes" if same else "no", modes[name], target])
     return markdown(header, rows)
 
 
@@ -275,11 +284,11 @@ def main():
         jobs = contenders(args, Path(tmp))
         for model in args.models.split(","):
             for world in map(int, args.ranks.split(",")):
-                rounds, weights = measure(args, model, world, jobs)
+                rounds, weights, modes = measure(args, model, world, jobs)
                 status |= any(res is None for per_round in rounds.values() for res in per_round)
                 print(f"## {model}, {world} ranks, {args.rounds} rounds of {args.block_of[model]} steps "
                       f"per contender (after {args.warmup} not timed)\n")
-                print(table(model, rounds, weights) + "\n", flush=True)
+                print(table(model, rounds, weights, modes) + "\n", flush=True)
     print(closing(started))
     return status
 

@@ -2,8 +2,8 @@
 
 Each module names its targets (the torch objects it changes) and the torch internals it relies on,
 installs into a section of the ledger and removes it again; the rooms pass in what the patches
-call. ``disable()`` uninstalls whatever the ledger still holds, and ``tests/test_restores_torch.py``
-shows torch left exactly as it was found.
+call. ``disable()`` uninstalls whatever the ledger still holds, and
+``tests/runtime/test_restores_torch.py`` shows torch left exactly as it was found.
 
 - ``optimizer``: ``Optimizer.__init__``, torch's global optimizer step pre-hook (the runtime)
 - ``ddp``: ``DistributedDataParallel.__init__``, ``forward`` and the calls that hand a model back

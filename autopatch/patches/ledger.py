@@ -191,11 +191,6 @@ class Standing:
             for key in self._wanted:
                 self._put(key)
 
-    def uninstall(self):
-        with self._lock:
-            while self._on:
-                self._on.popitem()[1].uninstall()
-
     def _put(self, key):
         section = self._on.get(key)
         if section is None or section.removed:       # never put, or removed with the whole ledger

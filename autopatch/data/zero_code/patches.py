@@ -52,9 +52,9 @@ class DataPatches:
         if not self.wanted or self.active:
             return
         self.active = True
-        when_imported("torch.utils.data", self._patched, still_wanted=lambda: self.active)
+        when_imported("torch.utils.data", self._patch_loader, still_wanted=lambda: self.active)
 
-    def _patched(self, module):
+    def _patch_loader(self, module):
         if not self.active or self._patch is not None:
             return
         try:
