@@ -18,6 +18,8 @@ import time
 
 import torch.distributed as dist
 
+from ..running_totals import TOTALS
+
 
 class CommunicationError(RuntimeError):
     """A collective failed or timed out: another rank most likely exited or stalled."""
@@ -37,6 +39,7 @@ class Waiter:
     def waited(self, seconds):
         """Count ``seconds`` spent waiting on something other than a collective (a peer thread)."""
         self.seconds += seconds
+        TOTALS.comm += seconds
 
     def wait(self, work, what, cancelled=None):
         """``work``: one work object or a list of them (``batch_isend_irecv``'s answer)."""
@@ -52,7 +55,9 @@ class Waiter:
         except Exception as e:
             raise self._failure(what, start, e) from e
         finally:
-            self.seconds += time.perf_counter() - start
+            waited = time.perf_counter() - start
+            self.seconds += waited
+            TOTALS.comm += waited
 
     def _failure(self, what, start, e):
         where = f" ({self.context()})" if self.context is not None else ""

@@ -11,6 +11,7 @@ import time
 import weakref
 
 from ..policy import check_setting
+from ..running_totals import TOTALS
 from ..vocabulary import BACKWARD, OFF, WATCHED_MODES
 from . import guard
 from .active import ActiveMode
@@ -21,6 +22,7 @@ from .step_override import StepOverride
 
 LET_GO = "autopatch was disabled"
 FREED = "the optimizer was freed"
+CHOOSING = "choosing the mode"
 
 
 def qualified_name(cls):
@@ -161,10 +163,7 @@ class OptimizerController:
     def step_begins(self, opt, closure):
         self.comm.before_step(opt)
         self.events.emit("step_begins", self)
-        t0 = time.perf_counter()
-        with guard.fallback(self.active, opt, "choosing the mode"):
-            self._apply(opt, self.chooser.step_begins(opt, closure, self.steps, self.mode))
-        self.choosing_seconds += time.perf_counter() - t0
+        self._choose(opt, self.chooser.step_begins, closure, self.steps, self.mode)
         self.step_mode = self.mode
         if self.active.strategy is not None:
             return self.active.before_step(opt, closure)
@@ -186,10 +185,20 @@ class OptimizerController:
             unsafe, differs = self.active.after_step(opt)
             if unsafe:
                 self._apply(opt, self.chooser.incident((BACKWARD,), unsafe, self.steps, self.mode, differs))
+        self._choose(opt, self.chooser.step_ends, self.steps, self.mode)
+
+    def _choose(self, opt, decide, *args):
+        """Apply what the chooser decides at a step boundary; its time is autopatch's own, and a
+        failure in it falls back (guard.py)."""
         t0 = time.perf_counter()
-        with guard.fallback(self.active, opt, "choosing the mode"):
-            self._apply(opt, self.chooser.step_ends(opt, self.steps, self.mode))
-        self.choosing_seconds += time.perf_counter() - t0
+        try:
+            self._apply(opt, decide(opt, *args))
+        except Exception as error:
+            if not guard.absorbed(self.active, opt, CHOOSING, error):
+                raise
+        seconds = time.perf_counter() - t0
+        self.choosing_seconds += seconds
+        TOTALS.choosing += seconds
 
     def step_counted(self, opt):
         self.comm.after_step(opt)

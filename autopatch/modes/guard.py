@@ -25,12 +25,17 @@ class fallback:
         return self
 
     def __exit__(self, kind, error, tb):
-        if not isinstance(error, Exception) or getattr(error, _USERS, False):
-            return False
-        if env.flag(env.STRICT):
-            return False
-        self.active.fall_back(self.opt, self.where, error)
-        return True
+        return error is not None and absorbed(self.active, self.opt, self.where, error)
+
+
+def absorbed(active, opt, where, error):
+    """``fallback`` as a function, for the per-step paths (``except Exception as error: if not
+    absorbed(...): raise``), where a guard object per call would be most of the cost: True when
+    ``error``, autopatch's own, became a fallback; False when it must propagate."""
+    if not isinstance(error, Exception) or getattr(error, _USERS, False) or env.flag(env.STRICT):
+        return False
+    active.fall_back(opt, where, error)
+    return True
 
 
 def as_user_code(closure):

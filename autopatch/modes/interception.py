@@ -10,6 +10,7 @@ in while the state is read or replaced.
 
 import time
 
+from ..running_totals import TOTALS
 from ..torch_internals import nested_step_call
 
 
@@ -56,7 +57,9 @@ class StepInterception:
             return
         self.owner.step_ends(opt)
         if self._t0 is not None:
-            self.step_seconds += time.perf_counter() - self._t0
+            seconds = time.perf_counter() - self._t0
+            self.step_seconds += seconds
+            TOTALS.optimizer += seconds
             self._t0 = None
         self.owner.step_counted(opt)
 

@@ -15,8 +15,8 @@ class LoaderIteratorPatch(Patch):
     target = "loader_iterator"
 
     def __init__(self, waits):
-        """``waits``: has ``seconds`` and ``batches`` (added to on every batch) and ``note(loader)``
-        (called as each iterator is built, once an epoch)."""
+        """``waits``: has ``waited(seconds)`` (called on every batch) and ``note(loader)`` (called
+        as each iterator is built, once an epoch)."""
         self.waits = waits
 
     def install(self):
@@ -33,8 +33,7 @@ class LoaderIteratorPatch(Patch):
             try:
                 return next_batch(it)
             finally:
-                waits.seconds += time.perf_counter() - t0
-                waits.batches += 1
+                waits.waited(time.perf_counter() - t0)
 
         def __init__(it, loader, *args, **kwargs):
             init(it, loader, *args, **kwargs)

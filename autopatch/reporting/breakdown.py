@@ -7,10 +7,12 @@ autopatch's own work that it can see: choosing, probing and switching modes insi
 between steps the step timer and its listeners (TensorBoard, the autotuner). Its hooks' own
 calls (a few per step) are not timed: they stay in the part they ran in. Per
 iteration this adds a few additions and, for the medians, one row in a reservoir of at most
-``RESERVOIR`` iterations sampled evenly over the run (Algorithm R, with a random generator of its
-own: the program's ``random`` is left alone).
+``RESERVOIR`` iterations sampled evenly over the run (Li's Algorithm L: it draws how many rows to
+skip before the next one kept, so an iteration not kept costs a comparison, not a random draw;
+with a random generator of its own: the program's ``random`` is left alone).
 """
 
+import math
 import random
 import statistics
 
@@ -28,7 +30,19 @@ class Breakdown:
         self._sums = [0.0] * (len(PARTS) + 1)
         self._rows = [None] * RESERVOIR
         self._random = random.Random(0)
+        self._weight = math.exp(math.log(self._uniform()) / RESERVOIR)
+        self._next_kept = RESERVOIR + self._skip()     # the index of the next row kept once full
         timer.subscribe(self._add)
+
+    def _uniform(self):
+        """A draw from the open interval (0, 1)."""
+        u = 0.0
+        while u == 0.0:
+            u = self._random.random()
+        return u
+
+    def _skip(self):
+        return math.floor(math.log(self._uniform()) / math.log(1.0 - self._weight))
 
     def _add(self, timer):
         w = timer.last
@@ -45,10 +59,10 @@ class Breakdown:
         self.steps = n + 1
         if n < RESERVOIR:
             self._rows[n] = row
-        else:
-            j = self._random.randrange(n + 1)
-            if j < RESERVOIR:
-                self._rows[j] = row
+        elif n == self._next_kept:
+            self._rows[self._random.randrange(RESERVOIR)] = row
+            self._weight *= math.exp(math.log(self._uniform()) / RESERVOIR)
+            self._next_kept = n + 1 + self._skip()
 
     def describe(self):
         if not self.steps:

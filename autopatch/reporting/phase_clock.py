@@ -12,21 +12,21 @@
   (autopatch's allreduce finishes there), and everything measured inside an optimizer's ``step()``
   (a closure runs forward and backward there), so that the optimizer's share is its own.
 
-``counters()`` gives the running totals ``(communication wait, data wait)`` in seconds.
+The waits come from the process's running totals (running_totals.py).
 """
 
 import functools
 import time
 
 from ..patches.autograd import AutogradBackwardPatch
+from ..running_totals import TOTALS
 
 
 class PhaseClock:
-    def __init__(self, counters):
-        self._counters = counters
+    def __init__(self):
         self.forward = 0.0      # this iteration's seconds, until take()
         self.backward = 0.0
-        self.in_steps = 0.0     # seconds measured here or by counters() inside a step()
+        self.in_steps = 0.0     # seconds measured here or waited (comm, data) inside a step()
         self.backwards = 0
         self._forward_start = None
         self._data_at_start = 0.0
@@ -38,7 +38,7 @@ class PhaseClock:
 
     def _forward_begins(self):
         self._forward_start = time.perf_counter()
-        self._data_at_start = self._counters()[1]
+        self._data_at_start = TOTALS.data
 
     def _timed(self, backward):
         @functools.wraps(backward)
@@ -46,29 +46,28 @@ class PhaseClock:
             if self._depth:
                 return backward(*args, **kwargs)
             t0 = time.perf_counter()
-            comm0, data0 = self._counters()
-            self.forward += max(0.0, t0 - self._forward_start - (data0 - self._data_at_start))
+            comm0 = TOTALS.comm
+            self.forward += max(0.0, t0 - self._forward_start - (TOTALS.data - self._data_at_start))
             self._depth = 1
             try:
                 return backward(*args, **kwargs)
             finally:
                 self._depth = 0
-                self.backward += max(0.0, time.perf_counter() - t0 - (self._counters()[0] - comm0))
+                self.backward += max(0.0, time.perf_counter() - t0 - (TOTALS.comm - comm0))
                 self.backwards += 1
                 self._forward_begins()
         return timed_backward
 
-    def step_begins(self):
+    def step_begins(self, _optimizer=None):
+        """An optimizer's step() begins (the session's ``step_begins`` event, which names it)."""
         if self._step_start is None:
-            comm, data = self._counters()
-            self._step_start = (comm + data, self.forward + self.backward)
+            self._step_start = (TOTALS.comm + TOTALS.data, self.forward + self.backward)
             self._forward_begins()     # a closure's forward starts inside the step
 
     def step_ends(self):
         if self._step_start is not None:
             counted, spans = self._step_start
-            comm, data = self._counters()
-            self.in_steps += (comm + data - counted) + (self.forward + self.backward - spans)
+            self.in_steps += (TOTALS.comm + TOTALS.data - counted) + (self.forward + self.backward - spans)
             self._step_start = None
         self._forward_begins()
 

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, fields
 
 from ..listeners import Listeners
+from ..running_totals import TOTALS
 
 
 @dataclass
@@ -83,7 +84,7 @@ class StepTimer:
         self.last = None                # the last iteration's Window
         self._last_tick = None
         self._own = 0.0
-        self._totals_then = (0.0, 0.0, 0.0, 0.0)   # optimizer, choosing, communication, data seconds
+        self._totals_then = self._totals()   # optimizer, choosing, communication, data seconds
         self._phases = None
         self._want_breakdown = breakdown
         self._subscriptions = [session.subscribe("step", self._on_step)]
@@ -102,18 +103,10 @@ class StepTimer:
         self._accumulators.append(acc)
         return acc
 
-    def _waits(self):
-        """Running totals: (communication wait, data wait) seconds."""
-        comm, data = self.session.allreduce, self.session.data_waits
-        return (comm.wait_seconds if comm is not None and comm.active else 0.0,
-                0.0 if data is None else data.seconds)
-
-    def _totals(self):
-        optimizers = self.session.optimizers
-        return (sum(o.step_seconds for o in optimizers), sum(o.choosing_seconds for o in optimizers), *self._waits())
-
-    def _step_begins(self, ctrl):
-        self._phases.step_begins()
+    @staticmethod
+    def _totals():
+        t = TOTALS
+        return t.optimizer, t.choosing, t.comm, t.data
 
     def _on_step(self, ctrl):
         if self._phases is not None:
@@ -122,13 +115,14 @@ class StepTimer:
             self.clock = ctrl
             if self._want_breakdown:   # torch is surely imported now; it may not be at enable()
                 from .phase_clock import PhaseClock
-                self._phases = PhaseClock(self._waits)
-                self._subscriptions.append(self.session.subscribe("step_begins", self._step_begins))
+                self._phases = PhaseClock()
+                self._subscriptions.append(self.session.subscribe("step_begins", self._phases.step_begins))
         if ctrl is not self.clock:
             return
         now = time.perf_counter()
-        totals = self._totals()
-        optimizer, choosing, comm, data = (total - then for total, then in zip(totals, self._totals_then))
+        t, then = TOTALS, self._totals_then
+        optimizer, choosing, comm, data = (t.optimizer - then[0], t.choosing - then[1], t.comm - then[2],
+                                           t.data - then[3])
         phases = (0.0, 0.0, 0.0, 0) if self._phases is None else self._phases.take()
         if self._last_tick is not None:
             forward, backward, in_steps, backwards = phases

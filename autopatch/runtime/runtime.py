@@ -136,7 +136,9 @@ class Runtime:
 
     def _before_step(self, opt, args, kwargs):
         """An optimizer built before enable() is adopted as its first step since begins."""
-        self.taken_in(opt)
+        ctrl = self._by_id.get(id(opt))
+        if ctrl is None or ctrl.optimizer is not opt:    # controller_of(), inline: every step runs it
+            self.taken_in(opt)
 
     def taken_in(self, opt):
         """``opt``'s handle, adopting it now if it was built before enable() and has not stepped

@@ -159,3 +159,27 @@ def test_a_slow_link_between_two_gloo_ranks_makes_exposed_communication_the_larg
         assert f"at {sent} bytes sent per step" in advice and "FUSEDOPT_ALGORITHM=bytegrad" in advice
         assert "changes results by design" in advice
         assert f"step time (rank {r.rank}, " in r.stderr and "advice (comm): " in r.stderr   # each its own
+
+
+def test_the_medians_come_from_iterations_kept_evenly_over_a_long_run():
+    """Past its reservoir, the breakdown keeps rows by skips it draws; every stretch of a long run
+    must still be kept alike, or the medians would describe only part of it."""
+    from autopatch.reporting.breakdown import RESERVOIR, Breakdown
+    from autopatch.reporting.step_timer import Window
+
+    class Timer:
+        last = None
+
+        def subscribe(self, fn):
+            self.add = fn
+
+    timer, n = Timer(), 30 * RESERVOIR
+    breakdown = Breakdown(timer, session=None)
+    for i in range(n):
+        timer.last = Window(steps=1, seconds=float(i))
+        timer.add(timer)
+    kept = [row[0] for row in breakdown._rows]
+    assert len(kept) == RESERVOIR and len(set(kept)) == RESERVOIR
+    per_tenth = [sum(1 for s in kept if int(10 * s / n) == tenth) for tenth in range(10)]
+    assert all(0.07 * RESERVOIR < c < 0.13 * RESERVOIR for c in per_tenth), per_tenth
+    assert breakdown.steps == n

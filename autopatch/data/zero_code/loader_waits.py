@@ -8,6 +8,7 @@ the advice: a map-style dataset is one the cache can be asked to serve.
 from torch.utils.data import IterableDataset
 
 from ...patches.loader_iterator import LoaderIteratorPatch
+from ...running_totals import TOTALS
 
 MAX_DATASETS = 8     # datasets described in the report; more are counted only
 
@@ -22,6 +23,12 @@ class LoaderWaits:
     def install(self):
         """Time ``__next__`` of every DataLoader iterator (call once ``torch.utils.data`` is imported)."""
         LoaderIteratorPatch(self).install()
+
+    def waited(self, seconds):
+        """One batch came after ``seconds``."""
+        self.seconds += seconds
+        self.batches += 1
+        TOTALS.data += seconds
 
     def note(self, loader):
         dataset = loader.dataset
