@@ -32,7 +32,9 @@ class ModelAlgorithms:
                                                        # (a freed model leaves by_model: its count too)
 
     def __bool__(self):
-        return bool(self.by_model)
+        # the dict behind the weak one: asked at every step, and a model freed a moment ago
+        # (still in it until its removal runs) only costs a look that finds nothing
+        return bool(self.by_model.data)
 
     def get(self, model):
         return self.by_model.get(model)
