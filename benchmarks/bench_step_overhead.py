@@ -12,9 +12,11 @@ sliced from tensors (no DataLoader), one torch thread. Contenders, each a proces
 
 Quoted: per round, each contender's median step in thread CPU time (what the step's own thread
 spends; other jobs' load on a shared machine weighs less on it) minus unpatched's, in
-microseconds; the median over rounds and the quartiles. Run it against another checkout of
-autopatch by putting that checkout first on ``PYTHONPATH``: that is how before and after are
-compared.
+microseconds; the median over rounds and the quartiles. And, since a busy machine moves those
+figures by more than a change to the runtime does, the Python and C function calls a step makes
+(counted with ``sys.setprofile`` over 100 steps after the rounds), which load does not move. Run
+it against another checkout of autopatch by putting that checkout first on ``PYTHONPATH``: that
+is how before and after are compared.
 
     python benchmarks/bench_step_overhead.py            # about a minute
 """
@@ -22,6 +24,7 @@ compared.
 import argparse
 import multiprocessing
 import statistics
+import sys
 import time
 
 import torch
@@ -33,6 +36,7 @@ from harness.processes import Worker, in_turns, serve
 from harness.report import markdown
 
 CONTENDERS = ("unpatched", "off", "off, no breakdown")
+CALLS_OVER = 100     # steps whose function calls are counted
 
 
 class Job:
@@ -65,6 +69,21 @@ class Job:
     def run(self, steps):
         return [self.step() for _ in range(steps)]
 
+    def calls(self, steps):
+        """Function calls (Python and C) per step, over ``steps`` steps."""
+        n = [0]
+
+        def count(frame, event, arg):
+            if event in ("call", "c_call"):
+                n[0] += 1
+        sys.setprofile(count)
+        try:
+            for _ in range(steps):
+                self.step()
+        finally:
+            sys.setprofile(None)
+        return n[0] / steps
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,22 +97,25 @@ def main():
     for w in workers.values():
         w.answer()
     rounds = in_turns(workers, args.rounds, "run", args.steps)
-    for w in workers.values():
+    calls = {}
+    for name, w in workers.items():
+        calls[name] = w.ask("calls", CALLS_OVER)
         w.close()
     base = [statistics.median(r) for r in rounds["unpatched"]]
-    rows = [["unpatched", f"{1e6 * statistics.median(base):.1f}", "", ""]]
+    rows = [["unpatched", f"{1e6 * statistics.median(base):.1f}", "", "", f"{calls['unpatched']:.0f}"]]
     for name in CONTENDERS[1:]:
         mine = [statistics.median(r) for r in rounds[name]]
         added = [m - b for m, b in zip(mine, base)]
         lo, hi = quartiles(added)
         ratio = statistics.median(m / b for m, b in zip(mine, base))
         rows.append([name, f"{1e6 * statistics.median(mine):.1f}",
-                     f"{1e6 * statistics.median(added):+.1f} ({1e6 * lo:+.1f} .. {1e6 * hi:+.1f})", f"{ratio:.3f}x"])
+                     f"{1e6 * statistics.median(added):+.1f} ({1e6 * lo:+.1f} .. {1e6 * hi:+.1f})", f"{ratio:.3f}x",
+                     f"{calls[name]:.0f} ({calls[name] - calls['unpatched']:+.0f})"])
     print(f"{summary()} (at start: {load0})")
     print(f"Linear(16, 16), SGD, batch 8, 1 torch thread; {args.rounds} rounds x {args.steps} steps per contender, "
           f"after {args.warmup} warm-up steps\n")
     print(markdown(["contender", "thread CPU us per step (median)", "added us per step (median of rounds, quartiles)",
-                    "vs unpatched"], rows))
+                    "vs unpatched", "calls per step (added)"], rows))
 
 
 if __name__ == "__main__":
