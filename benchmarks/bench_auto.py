@@ -16,7 +16,8 @@ figures are medians of per-round ratios:
   ``multi_layer`` named from the start: the median step of the second half (long after auto has
   decided), on the wall clock and on the training thread's CPU clock (which leaves out waiting
   for a core on a loaded machine). Whatever auto keeps after deciding would show here as auto
-  slower than the mode it chose, named.
+  slower than the mode it chose, named; and, whatever the load, as more function calls per step
+  (counted over 20 steps after the timed ones, ``harness/calls.py``).
 
     python benchmarks/bench_auto.py            # every part, 5 rounds
     python benchmarks/bench_auto.py --quick    # one round of smaller runs
@@ -37,12 +38,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from harness.alternation import quartiles, turns  # noqa: E402
+from harness.calls import calls_per_step  # noqa: E402
 from harness.launch import child_env  # noqa: E402
 from harness.machine import closing, summary  # noqa: E402
 from harness.report import markdown  # noqa: E402
 
 EXAMPLE = HERE.parent / "examples" / "train_mlp.py"
 FUSED = ("multi_layer", "backward", "forward")
+CALLS_OVER = 20     # steps whose function calls are counted after a run's timed steps
 TARGETS = {"decided_by": 50, "quickstart": 1.10, "wide_mlp": 1.02, "many_small": 0.55, "matmul": 1.02,
            "steady": 0.50, "steady_vs_named": 1.02}
 
@@ -71,16 +74,19 @@ def run_one(name, steps, out):
     import autopatch
     model, opt, (x, y), loss_fn = workload(name)
     seconds, cpu_seconds = [], []
-    for _ in range(steps):
-        t0, c0 = time.perf_counter(), time.thread_time()
+    def step():
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
+    for _ in range(steps):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        step()
         seconds.append(time.perf_counter() - t0)
         cpu_seconds.append(time.thread_time() - c0)
     entry = autopatch.report()["optimizers"][0] if autopatch.is_enabled() else {}
+    calls = calls_per_step(step, CALLS_OVER)     # after the timed steps, so they time nothing counted
     Path(out).write_text(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "auto": entry.get("auto", {}),
-                                     "mode": entry.get("mode")}))
+                                     "mode": entry.get("mode"), "calls_per_step": calls}))
 
 
 # -- the parent ----------------------------------------------------------------------------------
@@ -140,6 +146,7 @@ def steady(rounds, steps, tmp):
     multi_layer's."""
     contenders = ("unpatched", "auto", "multi_layer")
     median_step = {clock: {c: [] for c in contenders} for clock in ("seconds", "cpu_seconds")}
+    calls = {c: [] for c in contenders}
     decided, chosen = [], []
     for r, c in turns(contenders, rounds):
         out = tmp / f"steady-{r}-{c}.out"
@@ -147,6 +154,7 @@ def steady(rounds, steps, tmp):
         rec = json.loads(out.read_text())
         for clock, runs in median_step.items():
             runs[c].append(statistics.median(rec[clock][steps // 2:]))
+        calls[c].append(rec["calls_per_step"])
         if c == "auto":
             decided.append(rec["auto"].get("decided_at_step"))
             chosen.append(rec["mode"])
@@ -157,7 +165,7 @@ def steady(rounds, steps, tmp):
                           "auto_vs_unpatched": [x / y for x, y in zip(a, u)],
                           "named_vs_unpatched": [x / y for x, y in zip(m, u)],
                           "auto_vs_named": [x / y for x, y in zip(a, m)]}
-    return {"figures": figures, "decided_at_step": decided, "chosen": chosen}
+    return {"figures": figures, "decided_at_step": decided, "chosen": chosen, "calls_per_step": calls}
 
 
 def fmt_ratios(values):
@@ -219,6 +227,10 @@ def main():
                 rows.append([f"same ({name}): auto vs multi_layer named", fmt_ratios(f["auto_vs_named"]),
                              f"<= {TARGETS['steady_vs_named']}",
                              f"auto chose {st['chosen']}, decided at steps {st['decided_at_step']}"])
+            calls = {c: statistics.median(v) for c, v in st["calls_per_step"].items()}
+            rows.append([f"same, after the timed steps: function calls per step, auto vs multi_layer named",
+                         f"{calls['auto']:.0f} vs {calls['multi_layer']:.0f}", "equal",
+                         f"unpatched {calls['unpatched']:.0f}; auto chose {st['chosen']}"])
             print(json.dumps(st, indent=1))
     print()
     print(markdown(["what", "auto (median, quartiles)", "target", "notes"], rows))

@@ -24,13 +24,13 @@ is how before and after are compared.
 import argparse
 import multiprocessing
 import statistics
-import sys
 import time
 
 import torch
 from torch import nn
 
 from harness.alternation import quartiles
+from harness.calls import calls_per_step
 from harness.machine import load_average, summary
 from harness.processes import Worker, in_turns, serve
 from harness.report import markdown
@@ -70,19 +70,7 @@ class Job:
         return [self.step() for _ in range(steps)]
 
     def calls(self, steps):
-        """Function calls (Python and C) per step, over ``steps`` steps."""
-        n = [0]
-
-        def count(frame, event, arg):
-            if event in ("call", "c_call"):
-                n[0] += 1
-        sys.setprofile(count)
-        try:
-            for _ in range(steps):
-                self.step()
-        finally:
-            sys.setprofile(None)
-        return n[0] / steps
+        return calls_per_step(self.step, steps)
 
 
 def main():
