@@ -70,6 +70,16 @@ def unhooked_step(opt_or_class):
     return None
 
 
+def stepping(opt, frame):
+    """True when a step() of ``opt`` is on the stack that ends in ``frame`` (any thread's)."""
+    code = _wrapper_code()
+    while frame is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is opt:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def nested_step_call(opt):
     """True when a step() of ``opt`` is running inside another step() of ``opt`` (a subclass
     whose step calls ``super().step()`` runs torch's wrapper twice: only the outer call is the

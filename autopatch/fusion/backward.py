@@ -30,6 +30,7 @@ import weakref
 
 import torch
 
+from ..steps_in_flight import IN_FLIGHT
 from .chunking import BACKWARD_WINDOW
 from .param_swap import ParamSwap
 from .planner import FlatPlanner
@@ -121,6 +122,15 @@ class BackwardFusion(Strategy):
                 self._arrive(slot, p)
 
     def _arrive(self, slot, p):
+        """A region (steps_in_flight.py): enable() and disable() land between two gradients,
+        never in a chunk's update. Disabled between two, the chunks updated so far keep their
+        update (their grads are gone: ``step()`` skips them) and ``step()`` updates the rest per
+        tensor, as unpatched."""
+        with IN_FLIGHT:
+            if self.armed:
+                self._count(slot)
+
+    def _count(self, slot):
         if self.unsafe:
             return
         if self.arrived[slot]:

@@ -6,12 +6,33 @@ wrapper, so these hooks see every step however it is reached (closures included)
 ``step()`` calls ``super().step()`` runs torch's wrapper twice: only the outer call is the user's
 step. ``state_dict()`` and ``load_state_dict()`` are hooked too, so nothing is pending or swapped
 in while the state is read or replaced.
+
+From the pre-hook to the post-hook a step is in flight (``steps_in_flight.py``): enable() and
+disable() never land inside it, so no step is ever half patched. A hook that torch calls after the
+interception was removed (torch was about to call it as it was removed) does nothing, and so does
+a post-hook whose step began before the interception existed.
 """
 
 import time
+import weakref
 
 from ..running_totals import TOTALS
-from ..torch_internals import nested_step_call
+from ..steps_in_flight import IN_FLIGHT
+from ..torch_internals import nested_step_call, stepping
+
+
+class StepToken:
+    """A step's region: open while the optimizer's step() is on the thread's stack, so that one
+    which raised before its post-hook ran holds no toggle back."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, opt):
+        self.ref = weakref.ref(opt)
+
+    def live(self, frame):
+        opt = self.ref()
+        return opt is not None and stepping(opt, frame)
 
 
 class StepInterception:
@@ -26,19 +47,29 @@ class StepInterception:
         self.step_seconds = 0.0
         self._depth = 0               # nesting of step() calls on this optimizer
         self._t0 = None
+        self._token = StepToken(opt)  # the step's region (steps_in_flight.py)
+        self._removed = False
         self._handles = [
             opt.register_step_pre_hook(self._pre_step),
             opt.register_step_post_hook(self._post_step),
             opt.register_state_dict_pre_hook(self._state_io),
             opt.register_load_state_dict_pre_hook(self._state_io),
-            opt.register_load_state_dict_post_hook(owner.state_loaded),
+            opt.register_load_state_dict_post_hook(self._state_loaded),
         ]
 
     def _pre_step(self, opt, args, kwargs):
-        if self._depth:
+        abandoned = self._depth
+        if abandoned:
             if nested_step_call(opt):
                 self._depth += 1      # super().step() inside the user's step(): not a new step
                 return None
+            self._depth = 0
+            IN_FLIGHT.forget(self._token)
+        IN_FLIGHT.enter(self._token)
+        if self._removed:
+            IN_FLIGHT.leave(self._token)
+            return None
+        if abandoned:
             self.owner.step_abandoned()   # the last step() raised before its post-hook could run
         self._depth = 1
         self._t0 = time.perf_counter()
@@ -52,21 +83,34 @@ class StepInterception:
         return args, dict(kwargs, closure=replacement)
 
     def _post_step(self, opt, args, kwargs):
+        if not self._depth:
+            return
         self._depth -= 1
         if self._depth > 0:
             return
-        self.owner.step_ends(opt)
-        if self._t0 is not None:
-            seconds = time.perf_counter() - self._t0
-            self.step_seconds += seconds
-            TOTALS.optimizer += seconds
-            self._t0 = None
-        self.owner.step_counted(opt)
+        try:
+            self.owner.step_ends(opt)
+            if self._t0 is not None:
+                seconds = time.perf_counter() - self._t0
+                self.step_seconds += seconds
+                TOTALS.optimizer += seconds
+                self._t0 = None
+            self.owner.step_counted(opt)
+        finally:
+            IN_FLIGHT.leave(self._token)
 
     def _state_io(self, opt, *args):
-        self.owner.state_io(opt)
+        with IN_FLIGHT:
+            if not self._removed:
+                self.owner.state_io(opt)
+
+    def _state_loaded(self, opt, *args):
+        with IN_FLIGHT:
+            if not self._removed:
+                self.owner.state_loaded(opt)
 
     def remove(self):
+        self._removed = True
         for h in self._handles:
             h.remove()
         self._handles = []

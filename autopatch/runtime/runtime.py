@@ -17,6 +17,7 @@ from .. import agreement
 from ..patches.ledger import when_imported
 from ..patches.optimizer import OptimizerPatch
 from ..reporting.sections import ReportSections
+from ..steps_in_flight import IN_FLIGHT
 from .comm_view import CommView
 from .events import Events
 
@@ -149,7 +150,12 @@ class Runtime:
         return ctrl
 
     def adopt(self, opt):
-        """Put ``opt`` under autopatch (once); returns its handle."""
+        """Put ``opt`` under autopatch (once); returns its handle, or None once uninstalled. A
+        region (steps_in_flight.py): disable() never finds an optimizer half adopted."""
+        with IN_FLIGHT:
+            return self._adopt(opt) if self.active else None
+
+    def _adopt(self, opt):
         from ..modes.controller import OptimizerController
         ctrl = self.controller_of(opt)
         if ctrl is None:

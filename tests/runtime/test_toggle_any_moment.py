@@ -1,0 +1,162 @@
+"""enable() and disable() at any moment leave a run's results those of the unpatched run, bit for
+bit, and disable() leaves every original in place: from another thread while one trains (many
+toggles, landing in every part of the step), and from a signal handler that interrupts the
+training thread itself (a timer firing at ever different points of the step: inside the swap of
+flat chunks, between a chunk's update in backward and the step that finishes it, inside mode
+forward's deferred updates).
+"""
+
+import random
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from autopatch.patches.ledger import LEDGER
+from test_disable import assert_no_hooks, global_hooks
+from training import assert_same, assert_state_equal, batches, mlp, weights
+
+MODES = ["multi_layer", "backward", "forward"]
+DATA = batches(16)
+STEPS = 400
+
+
+@pytest.fixture(autouse=True)
+def torch_thread(one_thread):
+    """One torch thread: the tensors are tiny, and two threads on two shared cores only add noise."""
+
+
+def job():
+    model = mlp()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train(model, opt, steps, first=0, done=None):
+    """``done``: a one-item list counting the steps done, for a toggler to follow."""
+    for i in range(first, first + steps):
+        x, y = DATA[i % len(DATA)]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if done is not None:
+            done[0] += 1
+
+
+class Schedule:
+    """When to toggle next: after a random number of steps on (half the time long enough for
+    ``mode`` to fuse: backward arms after its first step; else within the step where it was
+    enabled) or off."""
+
+    def __init__(self, seed):
+        self.rnd = random.Random(seed)
+
+    def steps_to_next(self, enabled):
+        if enabled:
+            return self.rnd.choice((0, self.rnd.randint(1, 6)))
+        return self.rnd.randint(0, 2)
+
+
+def unpatched(steps):
+    model, opt = job()
+    train(model, opt, steps)
+    return model, opt
+
+
+def originals():
+    return dict(vars(torch.optim.Optimizer)), dict(vars(torch.nn.Module)), dict(vars(torch)), global_hooks()
+
+
+def assert_as_unpatched(model, opt, plain, before):
+    """The weights and the optimizer's state are the unpatched run's; torch is as it was."""
+    plain_model, plain_opt = plain
+    assert_same(weights(model), weights(plain_model))
+    assert_state_equal(opt.state_dict(), plain_opt.state_dict())
+    assert_no_hooks(opt, model)
+    assert LEDGER.installed() == {}
+    for was, now in zip(before[:3], originals()[:3]):
+        assert now.keys() == was.keys()
+        assert not [k for k in was if now[k] is not was[k]]
+    assert global_hooks() == before[3]
+    assert type(opt.state) is type(plain_opt.state)     # not the pending-aware proxy of mode forward
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_toggling_from_another_thread_changes_nothing(ap, mode):
+    started = time.perf_counter()
+    plain = unpatched(STEPS)
+    step_seconds = (time.perf_counter() - started) / STEPS
+    before = originals()
+    model, opt = job()
+    done, failed = [0], []
+
+    def training():
+        try:
+            train(model, opt, STEPS, done=done)
+        except BaseException as e:
+            failed.append(e)
+
+    trainer = threading.Thread(target=training)
+    schedule = Schedule(seed=mode)
+    switching = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # the threads take turns every few bytecodes: a toggle lands anywhere
+    try:
+        trainer.start()
+        toggles = 0
+        while trainer.is_alive():
+            if ap.is_enabled():
+                ap.disable()
+                assert LEDGER.installed() == {}      # disable() returns with every original in place
+            else:
+                ap.enable(mode=mode)
+            toggles += 1
+            until = done[0] + schedule.steps_to_next(ap.is_enabled())
+            while done[0] < until and trainer.is_alive():
+                time.sleep(0.0002)
+            time.sleep(schedule.rnd.random() * step_seconds)     # a random moment of the next step
+        trainer.join()
+    finally:
+        sys.setswitchinterval(switching)
+    ap.disable()
+    assert not failed, failed
+    assert toggles >= 20
+    assert_as_unpatched(model, opt, plain, before)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("first", ["disable", "enable"])
+def test_a_signal_handler_toggling_mid_step_changes_nothing(ap, mode, first):
+    """SIGALRM fires every 0.2-1 ms; once the schedule's steps are done its handler toggles, at
+    whatever point of a step the signal landed. ``first``: what the handler calls first (the run
+    starts enabled for ``disable``); the run is disabled at the end."""
+    plain = unpatched(STEPS)
+    before = originals()
+    if first == "disable":
+        ap.enable(mode=mode)
+    schedule = Schedule(seed=mode + first)
+    done, toggles = [0], []
+    next_at = [schedule.steps_to_next(ap.is_enabled())]
+
+    def on_alarm(signum, frame):
+        if done[0] >= next_at[0]:
+            if ap.is_enabled():
+                ap.disable()
+            else:
+                ap.enable(mode=mode)
+            toggles.append(done[0])
+            next_at[0] = done[0] + schedule.steps_to_next(ap.is_enabled())
+        signal.setitimer(signal.ITIMER_REAL, 0.0002 + schedule.rnd.random() * 0.0008)
+
+    model, opt = job()
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.001)
+        train(model, opt, STEPS, done=done)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    ap.disable()
+    assert len(toggles) >= 20
+    assert_as_unpatched(model, opt, plain, before)
