@@ -38,8 +38,9 @@ class StepToken:
 class StepInterception:
     """Calls ``owner.step_begins(opt, closure)`` (which may return a closure to call instead),
     ``owner.step_ends(opt)``, ``owner.step_counted(opt)`` once the step's time is counted,
-    ``owner.state_io(opt)`` before the state is read or loaded, ``owner.state_loaded(opt)``
-    after, and ``owner.step_abandoned()`` when the last step raised before it ended."""
+    ``owner.state_reading(opt)`` and ``owner.state_read(opt)`` around ``state_dict()``,
+    ``owner.state_io(opt)`` before the state is loaded, ``owner.state_loaded(opt)`` after, and
+    ``owner.step_abandoned()`` when the last step raised before it ended."""
 
     def __init__(self, opt, owner):
         self.owner = owner
@@ -52,7 +53,8 @@ class StepInterception:
         self._handles = [
             opt.register_step_pre_hook(self._pre_step),
             opt.register_step_post_hook(self._post_step),
-            opt.register_state_dict_pre_hook(self._state_io),
+            opt.register_state_dict_pre_hook(self._state_reading),
+            opt.register_state_dict_post_hook(self._state_read),
             opt.register_load_state_dict_pre_hook(self._state_io),
             opt.register_load_state_dict_post_hook(self._state_loaded),
         ]
@@ -98,6 +100,16 @@ class StepInterception:
             self.owner.step_counted(opt)
         finally:
             IN_FLIGHT.leave(self._token)
+
+    def _state_reading(self, opt):
+        with IN_FLIGHT:
+            if not self._removed:
+                self.owner.state_reading(opt)
+
+    def _state_read(self, opt, state):
+        with IN_FLIGHT:
+            if not self._removed:
+                self.owner.state_read(opt)
 
     def _state_io(self, opt, *args):
         with IN_FLIGHT:

@@ -160,3 +160,51 @@ def test_a_signal_handler_toggling_mid_step_changes_nothing(ap, mode, first):
     ap.disable()
     assert len(toggles) >= 20
     assert_as_unpatched(model, opt, plain, before)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_disable_and_checkpoint_from_a_handler_mid_step(ap, mode, tmp_path):
+    """A SIGTERM handler that disables and checkpoints, the signal sent by another thread while
+    the training thread is inside step(): disable() returns at once, the checkpoint is one an
+    unpatched run loads (in mode multi_layer, the weights and state from before that step; modes
+    backward and forward have made part of the step's update by then, as a read inside the step
+    sees it), the originals are back when that step() returns, and the run goes on as unpatched."""
+    steps = 40
+    plain = unpatched(steps)
+    checkpoint_plain = unpatched(5)
+    before = originals()
+    ap.enable(mode=mode)
+    model, opt = job()
+    seen = {}
+
+    def on_term(signum, frame):
+        ap.disable()
+        seen["returned"] = not ap.is_enabled()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+
+    def during_step(opt_, args, kwargs):
+        sender = threading.Thread(target=signal.raise_signal, args=(signal.SIGTERM,))
+        sender.start()
+        sender.join()
+        time.sleep(0.01)             # the handler runs at the next bytecode of this thread
+
+    train(model, opt, 5)
+    previous = signal.signal(signal.SIGTERM, on_term)
+    hook = opt.register_step_pre_hook(during_step)
+    try:
+        train(model, opt, 1, first=5)
+    finally:
+        hook.remove()
+        signal.signal(signal.SIGTERM, previous)
+    assert seen["returned"]      # at once, the step still under way
+    assert not opt._optimizer_step_post_hooks and not opt._optimizer_step_pre_hooks
+    saved = torch.load(tmp_path / "ckpt.pt")
+    resumed, resumed_opt = job()
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["opt"])
+    assert saved["opt"]["param_groups"] == checkpoint_plain[1].state_dict()["param_groups"]
+    if mode == "multi_layer":
+        assert_same(list(saved["model"].values()), weights(checkpoint_plain[0]))
+        assert_state_equal(saved["opt"], checkpoint_plain[1].state_dict())
+    train(model, opt, steps - 6, first=6)
+    assert_as_unpatched(model, opt, plain, before)
