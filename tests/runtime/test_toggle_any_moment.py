@@ -208,3 +208,28 @@ def test_disable_and_checkpoint_from_a_handler_mid_step(ap, mode, tmp_path):
         assert_state_equal(saved["opt"], checkpoint_plain[1].state_dict())
     train(model, opt, steps - 6, first=6)
     assert_as_unpatched(model, opt, plain, before)
+
+
+@pytest.mark.parametrize("where", ["this thread", "another thread"])
+def test_a_step_that_raised_holds_no_toggle_back(ap, where):
+    """A step whose closure raised never reached the hook that ends it: disable() right after
+    (on the same thread, as a ``finally:`` would, or from another one) neither waits nor defers."""
+    ap.enable(mode="multi_layer")
+    model, opt = job()
+    train(model, opt, 3)
+
+    def failing():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        opt.step(failing)
+    started = time.monotonic()
+    if where == "this thread":
+        ap.disable()
+    else:
+        other = threading.Thread(target=ap.disable)
+        other.start()
+        other.join()
+    assert time.monotonic() - started < 1
+    assert LEDGER.installed() == {}
+    assert_no_hooks(opt, model)
