@@ -139,11 +139,9 @@ def flush():
     """Apply every deferred update now, so weights can be read (mode forward defers updates to
     the next forward; the next step() and torch's ways of reading weights, such as parameters(),
     module attributes, state_dict() and torch.save, apply them by themselves)."""
-    from .steps_in_flight import IN_FLIGHT
-    with IN_FLIGHT:
-        installed = _installed
-        if installed is not None:
-            installed.flush()
+    installed = _installed
+    if installed is not None:
+        installed.flush()
 
 
 def report():

@@ -4,82 +4,103 @@ A fused step swaps flat chunks into an optimizer and back, mode backward updates
 backward, mode forward applies deferred updates in a module's forward. Patching or unpatching in
 the middle of one of these (a toggle from another thread, or from a signal handler that
 interrupted the step on its own thread) would leave a step half fused. So each runs as a
-*region* (``enter()``/``leave()``, or ``with IN_FLIGHT:``) and a toggle runs only at a moment no
-region is open:
+*region*, and a toggle runs only at a moment no region is open:
 
 - with none open on any thread it runs at once, and regions beginning meanwhile on other threads
   wait for it to finish;
 - with regions open on other threads only, the caller waits for them to close, and their threads
-  wait before opening new ones, so a training loop cannot starve it (bounded: past
-  ``WAIT_SECONDS`` it warns and returns, and the toggle runs when the last region closes);
+  wait at the start of their next one, so a training loop cannot starve it (bounded: past
+  ``WAIT_SECONDS`` it warns and returns, and the toggle runs as the last region closes);
 - with a region open on the caller's own thread (a signal handler interrupted it), waiting would
   never end: it returns at once and the toggle runs as that thread closes its last region, before
   control goes back to the code the handler interrupted.
 
-Entering and leaving a region cost a list append and pop on a per-thread list and the read of one
-flag; no lock is taken unless a toggle is pending. A region's token is None (a ``with`` block,
-always closed) or an object whose ``live(frame)`` says whether it is still open on the stack that
-ends in ``frame``: a step that raised never reached the hook that closes its region, and must not
-hold toggles back.
+A region is a frame on a thread's stack: a call of a function made one (``@IN_FLIGHT.region``) or
+of a function whose frames count (``count_frames_of``: torch's step wrapper, from before the
+step's hooks to after them). A toggle reads every thread's stack, so a step that raised, or a
+thread that ended, holds nothing back. A region costs its thread the read of one flag as it
+begins and one as it ends; locks and stacks are for the time a toggle is pending.
 """
 
 import contextlib
+import functools
+import gc
 import sys
 import threading
 import time
 import warnings
 
 WAIT_SECONDS = 10.0
-_POLL = 0.05          # a region left open by a step that raised is noticed this often
+_POLL = 0.05          # how often a waiting toggle reads the stacks again
 
 
 class StepsInFlight:
     def __init__(self):
-        self.pending = False      # a toggle waits or runs: regions take the slow path
+        self.pending = False      # a toggle waits or runs: regions beginning or ending look
         self._cond = threading.Condition(threading.Lock())
-        self._local = threading.local()      # .regions: this thread's open tokens; .busy
-        self._threads = {}        # thread id -> its regions list (written by that thread only)
+        self._local = threading.local()      # .busy: this thread holds (or takes) the lock
+        self._codes = set()       # the code objects whose frames are regions
+        self._parked = set()      # threads waiting at a region's start for a toggle to run
         self._runner = None       # the thread running a toggle, or waiting to run one
         self._work = None         # (settled, reconcile) of the latest toggle
 
-    # -- regions: the fast path ---------------------------------------------------------------
-    def enter(self, token=None):
+    # -- regions ----------------------------------------------------------------------------------
+    def region(self, function):
+        """``function`` runs as a region."""
+        @functools.wraps(function)
+        def in_region(*args, **kwargs):
+            if self.pending:
+                self.entering()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if self.pending:
+                    self.left()
+        self._codes.add(in_region.__code__)
+        return in_region
+
+    def count_frames_of(self, code):
+        """Frames running ``code`` are regions; the code that runs in them calls ``entering()``
+        (when ``pending``) once it can wait for a toggle, and ``left()`` (when ``pending``) at
+        its end."""
+        self._codes.add(code)
+
+    def entering(self):
+        """A toggle is pending as a region begins: with no other region open on this thread, wait
+        while another thread runs it or waits to run it (bounded, as the toggle is)."""
+        me = threading.get_ident()
+        if self._runner in (None, me) or self._busy() or self._regions_here() > 1:
+            return
+        with self._locked():
+            self._parked.add(me)
+            self._cond.notify_all()
+            deadline = time.monotonic() + WAIT_SECONDS
+            while self._runner not in (None, me) and time.monotonic() < deadline:
+                self._cond.wait(_POLL)
+            self._parked.discard(me)
+
+    def left(self):
+        """A toggle is pending as a region ends: one waiting for it looks again, and one left to
+        run as this thread's regions close runs now if this was the last."""
+        if self._busy() or self._runner == threading.get_ident():
+            return                    # a region inside the toggle that runs here
+        with self._locked():
+            self._cond.notify_all()
+        if self._regions_here() > 1:
+            return
         try:
-            regions = self._local.regions
-        except AttributeError:
-            regions = self._register()
-        regions.append(token)
-        if self.pending:
-            self._entering(regions, token)
+            self._settle(wait=False)
+        except Exception as e:        # the training goes on; the toggle's caller already returned
+            warnings.warn(f"autopatch: enable()/disable() failed as a step ended: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=3)
 
-    def leave(self, token=None):
-        regions = self._local.regions
-        if regions and regions[-1] is token:
-            regions.pop()
-        elif token in regions:
-            regions.remove(token)     # a region of a step that raised lies above it
-        if self.pending:
-            self._left(regions)
-
-    def __enter__(self):
-        self.enter()
-
-    def __exit__(self, *exc):
-        self.leave()
-
-    def forget(self, token):
-        """Drop ``token`` from this thread's regions: its step raised and will never close it."""
-        regions = getattr(self._local, "regions", ())
-        if token in regions:
-            regions.remove(token)
-
-    # -- toggles --------------------------------------------------------------------------------
+    # -- toggles ----------------------------------------------------------------------------------
     def toggle(self, settled, reconcile):
         """Call ``reconcile()`` until ``settled()`` at a moment no region is open (see the module's
         docstring). True once settled; False when it was left to run as open regions close."""
         self._work = (settled, reconcile)
         self.pending = True
-        if self._busy() or self._runner == threading.get_ident() or self._live_here():
+        if self._busy() or self._runner == threading.get_ident() or self._regions_here():
             return False
         return self._settle(wait=True)
 
@@ -132,67 +153,22 @@ class StepsInFlight:
                     return False
                 self._cond.wait(min(left, _POLL))
 
-    # -- the slow path ------------------------------------------------------------------------
-    def _register(self):
-        """This thread's regions list, made at its first region (no lock: a handler may come
-        while the thread holds it)."""
-        regions = self._local.regions = []
-        self._threads[threading.get_ident()] = regions
-        return regions
+    # -- stacks -----------------------------------------------------------------------------------
+    def _regions_on(self, frame):
+        n = 0
+        while frame is not None:
+            n += frame.f_code in self._codes
+            frame = frame.f_back
+        return n
 
-    def _entering(self, regions, token):
-        """A toggle is pending: a thread with no other region open waits while another thread
-        runs it or waits to run it (bounded, as the toggle is)."""
-        me = threading.get_ident()
-        if len(regions) > 1 or self._runner in (None, me) or self._busy():
-            return
-        with self._locked():
-            regions.pop()
-            self._cond.notify_all()
-            deadline = time.monotonic() + WAIT_SECONDS
-            while self._runner not in (None, me) and time.monotonic() < deadline:
-                self._cond.wait(_POLL)
-            regions.append(token)
-
-    def _left(self, regions):
-        """A toggle is pending: one waiting for this region looks again; one left to run as this
-        thread's regions close runs now."""
-        if self._busy():
-            return
-        with self._locked():
-            self._cond.notify_all()
-        if regions and self._live_here():
-            return
-        try:
-            self._settle(wait=False)
-        except Exception as e:        # the training goes on; the toggle's caller already returned
-            warnings.warn(f"autopatch: enable()/disable() failed as a step ended: {type(e).__name__}: {e}",
-                          RuntimeWarning, stacklevel=3)
-
-    def _live_here(self):
-        """This thread has a region open (dropping those of steps that raised)."""
-        regions = getattr(self._local, "regions", None)
-        if not regions:
-            return False
-        top = sys._getframe()
-        regions[:] = [t for t in regions if t is None or t.live(top)]
-        return bool(regions)
+    def _regions_here(self):
+        """How many regions are open on this thread's stack."""
+        return self._regions_on(sys._getframe(1))
 
     def _quiet(self, me):
-        """No other thread has a region open (those of steps that raised, or of threads that
-        ended, do not count). Under the lock."""
-        frames = None
-        for tid, regions in list(self._threads.items()):
-            if tid == me or not regions:
-                continue
-            if frames is None:
-                frames = sys._current_frames()
-            top = frames.get(tid)
-            if top is None:
-                del self._threads[tid]       # the thread ended
-            elif any(t is None or t.live(top) for t in list(regions)):
-                return False
-        return True
+        """No region open on another thread but those parked at a region's start. Under the lock."""
+        return not any(tid != me and tid not in self._parked and self._regions_on(frame)
+                       for tid, frame in _stacks().items())
 
     def _busy(self):
         return getattr(self._local, "busy", False)
@@ -207,6 +183,19 @@ class StepsInFlight:
                 yield
         finally:
             self._local.busy = False
+
+
+def _stacks():
+    """Every thread's innermost frame. The garbage collector is kept off meanwhile: CPython takes
+    its list of threads under a lock that freeing a ``threading.local`` takes again, and a
+    collection started by the frames this allocates would free one and hang the process."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if collecting:
+            gc.enable()
 
 
 IN_FLIGHT = StepsInFlight()

@@ -70,14 +70,9 @@ def unhooked_step(opt_or_class):
     return None
 
 
-def stepping(opt, frame):
-    """True when a step() of ``opt`` is on the stack that ends in ``frame`` (any thread's)."""
-    code = _wrapper_code()
-    while frame is not None:
-        if frame.f_code is code and frame.f_locals.get("self") is opt:
-            return True
-        frame = frame.f_back
-    return False
+def step_wrapper_code():
+    """The code object every optimizer class's wrapped ``step()`` runs (a step in flight)."""
+    return _wrapper_code()
 
 
 def nested_step_call(opt):

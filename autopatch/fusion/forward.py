@@ -116,18 +116,18 @@ class ForwardFusion(PlannedStrategy):
         if not self.applying:
             self.flush()
 
+    @IN_FLIGHT.region
     def _apply(self, keys):
         """Apply those of ``keys`` still pending. A region (steps_in_flight.py): disable() from
         another thread, which applies everything pending, never runs beside it."""
-        with IN_FLIGHT:
-            keys = [k for k in keys if k in self.pending]
-            if not keys:
-                return
-            self.applying = True
-            try:
-                self._apply_now(keys)
-            finally:
-                self.applying = False
+        keys = [k for k in keys if k in self.pending]
+        if not keys:
+            return
+        self.applying = True
+        try:
+            self._apply_now(keys)
+        finally:
+            self.applying = False
 
     def _apply_now(self, keys):
         items = [self.pending.pop(k) for k in keys]

@@ -14,25 +14,10 @@ a post-hook whose step began before the interception existed.
 """
 
 import time
-import weakref
 
 from ..running_totals import TOTALS
 from ..steps_in_flight import IN_FLIGHT
-from ..torch_internals import nested_step_call, stepping
-
-
-class StepToken:
-    """A step's region: open while the optimizer's step() is on the thread's stack, so that one
-    which raised before its post-hook ran holds no toggle back."""
-
-    __slots__ = ("ref",)
-
-    def __init__(self, opt):
-        self.ref = weakref.ref(opt)
-
-    def live(self, frame):
-        opt = self.ref()
-        return opt is not None and stepping(opt, frame)
+from ..torch_internals import nested_step_call, step_wrapper_code
 
 
 class StepInterception:
@@ -48,8 +33,8 @@ class StepInterception:
         self.step_seconds = 0.0
         self._depth = 0               # nesting of step() calls on this optimizer
         self._t0 = None
-        self._token = StepToken(opt)  # the step's region (steps_in_flight.py)
         self._removed = False
+        IN_FLIGHT.count_frames_of(step_wrapper_code())    # a step in flight is a region
         self._handles = [
             opt.register_step_pre_hook(self._pre_step),
             opt.register_step_post_hook(self._post_step),
@@ -60,18 +45,14 @@ class StepInterception:
         ]
 
     def _pre_step(self, opt, args, kwargs):
-        abandoned = self._depth
-        if abandoned:
-            if nested_step_call(opt):
-                self._depth += 1      # super().step() inside the user's step(): not a new step
-                return None
-            self._depth = 0
-            IN_FLIGHT.forget(self._token)
-        IN_FLIGHT.enter(self._token)
-        if self._removed:
-            IN_FLIGHT.leave(self._token)
+        if self._depth and nested_step_call(opt):
+            self._depth += 1          # super().step() inside the user's step(): not a new step
             return None
-        if abandoned:
+        if IN_FLIGHT.pending:
+            IN_FLIGHT.entering()
+        if self._removed:
+            return None
+        if self._depth:
             self.owner.step_abandoned()   # the last step() raised before its post-hook could run
         self._depth = 1
         self._t0 = time.perf_counter()
@@ -99,27 +80,28 @@ class StepInterception:
                 self._t0 = None
             self.owner.step_counted(opt)
         finally:
-            IN_FLIGHT.leave(self._token)
+            if IN_FLIGHT.pending:
+                IN_FLIGHT.left()
 
+    @IN_FLIGHT.region
     def _state_reading(self, opt):
-        with IN_FLIGHT:
-            if not self._removed:
-                self.owner.state_reading(opt)
+        if not self._removed:
+            self.owner.state_reading(opt)
 
+    @IN_FLIGHT.region
     def _state_read(self, opt, state):
-        with IN_FLIGHT:
-            if not self._removed:
-                self.owner.state_read(opt)
+        if not self._removed:
+            self.owner.state_read(opt)
 
+    @IN_FLIGHT.region
     def _state_io(self, opt, *args):
-        with IN_FLIGHT:
-            if not self._removed:
-                self.owner.state_io(opt)
+        if not self._removed:
+            self.owner.state_io(opt)
 
+    @IN_FLIGHT.region
     def _state_loaded(self, opt, *args):
-        with IN_FLIGHT:
-            if not self._removed:
-                self.owner.state_loaded(opt)
+        if not self._removed:
+            self.owner.state_loaded(opt)
 
     def remove(self):
         self._removed = True
