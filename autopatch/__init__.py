@@ -16,7 +16,8 @@ __all__ = ["enable", "disable", "session", "is_enabled", "report", "flush", "ann
 __version__ = "0.1.0"
 
 _lock = threading.RLock()
-_session = None        # the active Session, or None
+_wanted = None         # the Session asked for by the last enable(), or None after disable()
+_installed = None      # the Session whose patches are in place
 _last = None           # the most recent Session, kept for report() after disable()
 _exit = {"registered": False, "summary": False}
 
@@ -29,45 +30,83 @@ def enable(policy=None, **overrides):
     ``chunk_bytes=``, ``exact=``, ``report=``, ``logdir=``, ``autotune=``, or a section mapping
     such as ``fusion={...}``) win over environment variables, which win over the policy file.
     Raises ``PolicyError`` for an invalid policy. Calling it again while enabled only warns, and
-    returns the session already open.
+    returns the session already open. Safe at any moment, as ``disable()`` is: a step in flight
+    ends as it began, and the patches are in place from the next one on.
     """
-    global _session, _last
+    global _wanted, _last
     import os
     from . import policy as _policy
-    from .patches.ledger import standing
     from .runtime import Session
     with _lock:
-        if _session is not None:
-            warnings.warn(f"autopatch is already enabled (policy {_session.policy.source}); "
+        if _wanted is not None:
+            warnings.warn(f"autopatch is already enabled (policy {_wanted.policy.source}); "
                           "call autopatch.disable() first to change it", RuntimeWarning, stacklevel=2)
-            return _session
+            return _wanted
         pol = _policy.load(policy or os.environ.get(env.POLICY) or None,
                            env_overrides=env.policy_overrides(),
                            overrides=_policy.enable_overrides(overrides))
-        opened = Session(pol)
-        opened.install()
-        standing.install()
-        _session = _last = opened
+        opened = _wanted = _last = Session(pol)
         if not _exit["registered"]:
             atexit.register(_at_exit)
             _exit["registered"] = True
-        return opened
+    _put_in_place()
+    return opened
 
 
 def disable():
-    """Undo every patch and hook; optimizers go on exactly as unpatched ones. Idempotent."""
-    global _session
-    from .patches.ledger import LEDGER
+    """Undo every patch and hook; optimizers go on exactly as unpatched ones. Idempotent.
+
+    Safe at any moment. A step in flight on another thread ends as it began, and disable()
+    returns once it has, with every original in place (past ``steps_in_flight.WAIT_SECONDS`` it
+    warns and returns, and the originals go back as that step ends). Called from a signal handler
+    that interrupted a step on its own thread, it returns at once, and the originals go back as
+    that step ends, before ``step()`` returns to the interrupted code. What a mode holds back is
+    applied as its patches go, so the weights are those of the unpatched run.
+    """
+    global _wanted
     with _lock:
-        if _session is not None:
-            _session.runtime.uninstall()
-            _session = None
-        LEDGER.uninstall()       # anything still in place: model.with_bagua, and whatever a room left
+        _wanted = None
+    _put_in_place()
+
+
+def _put_in_place():
+    """Make the installed session the one wanted, at a moment no step is in flight."""
+    from .steps_in_flight import IN_FLIGHT
+    IN_FLIGHT.toggle(_settled, _reconcile)
+
+
+def _settled():
+    from .patches.ledger import LEDGER
+    return _installed is _wanted and (_wanted is not None or not LEDGER.installed())
+
+
+def _reconcile():
+    """One move towards the session wanted: the one installed goes (with every patch left in
+    the ledger: model.with_bagua, and whatever a room left), or the one wanted comes."""
+    global _installed, _wanted
+    from .patches.ledger import LEDGER, standing
+    wanted = _wanted
+    if _installed is not None and _installed is not wanted:
+        leaving, _installed = _installed, None
+        leaving.runtime.uninstall()
+        LEDGER.uninstall()
+    elif wanted is None:
+        LEDGER.uninstall()
+    else:
+        try:
+            wanted.install()
+            standing.install()
+        except BaseException:
+            with _lock:
+                if _wanted is wanted:
+                    _wanted = None
+            raise
+        _installed = wanted
 
 
 def session():
     """The active ``Session`` (what ``enable()`` returned), or None when autopatch is off."""
-    return _session
+    return _wanted
 
 
 # Subpackages reachable as attributes (``autopatch.contrib.fuse_optimizer(...)``), imported on
@@ -93,23 +132,23 @@ def announce_at_exit():
 
 
 def is_enabled():
-    return _session is not None
+    return _wanted is not None
 
 
 def flush():
     """Apply every deferred update now, so weights can be read (mode forward defers updates to
     the next forward; the next step() and torch's ways of reading weights, such as parameters(),
     module attributes, state_dict() and torch.save, apply them by themselves)."""
-    with _lock:
-        if _session is not None:
-            _session.flush()
+    installed = _installed
+    if installed is not None:
+        installed.flush()
 
 
 def report():
     """A JSON-serialisable dict: per optimizer, the mode that ran and why, plus timings."""
     from .reporting.json_report import build_report
     with _lock:
-        return build_report(_last, enabled=_session is not None)
+        return build_report(_last, enabled=_wanted is not None)
 
 
 def _at_exit():

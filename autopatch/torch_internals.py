@@ -70,6 +70,11 @@ def unhooked_step(opt_or_class):
     return None
 
 
+def step_wrapper_code():
+    """The code object every optimizer class's wrapped ``step()`` runs (a step in flight)."""
+    return _wrapper_code()
+
+
 def nested_step_call(opt):
     """True when a step() of ``opt`` is running inside another step() of ``opt`` (a subclass
     whose step calls ``super().step()`` runs torch's wrapper twice: only the outer call is the

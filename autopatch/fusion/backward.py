@@ -30,6 +30,7 @@ import weakref
 
 import torch
 
+from ..steps_in_flight import IN_FLIGHT
 from .chunking import BACKWARD_WINDOW
 from .param_swap import ParamSwap
 from .planner import FlatPlanner
@@ -121,28 +122,40 @@ class BackwardFusion(Strategy):
                 self._arrive(slot, p)
 
     def _arrive(self, slot, p):
-        if self.unsafe:
-            return
-        if self.arrived[slot]:
-            if not self.strict:
-                self.unsafe = "a parameter received a second gradient before step() (gradient accumulation)"
+        """A region (steps_in_flight.py): enable() and disable() land between two gradients,
+        never in a chunk's update. Disabled between two, the chunks updated so far keep their
+        update (their grads are gone: ``step()`` skips them) and ``step()`` updates the rest per
+        tensor, as unpatched."""
+        if IN_FLIGHT.pending:
+            IN_FLIGHT.entering()
+        try:
+            if self.unsafe or not self.armed:
                 return
-            raise AccumulationError(
-                "autopatch mode 'backward': a parameter received a second gradient before "
-                "optimizer.step() (gradient accumulation, or a step skipped by GradScaler); "
-                "use mode 'forward', 'multi_layer' or 'auto' for this optimizer")
-        if self.averaged_by is None and torch.is_grad_enabled():
-            if not self.strict:
-                self.unsafe = "backward with create_graph=True (double backward)"
-                return
-            raise AccumulationError("autopatch mode 'backward' cannot run under create_graph=True "
-                                    "(double backward); use mode 'multi_layer' or 'auto'")
-        self.arrived[slot] = 1
-        unit = self.unit_of[slot]
-        left = self.left[unit] - 1
-        self.left[unit] = left
-        if not left:
-            self._step_unit(unit)
+            if self.arrived[slot]:
+                if not self.strict:
+                    self.unsafe = "a parameter received a second gradient before step() (gradient accumulation)"
+                    return
+                raise AccumulationError(
+                    "autopatch mode 'backward': a parameter received a second gradient before "
+                    "optimizer.step() (gradient accumulation, or a step skipped by GradScaler); "
+                    "use mode 'forward', 'multi_layer' or 'auto' for this optimizer")
+            if self.averaged_by is None and torch.is_grad_enabled():
+                if not self.strict:
+                    self.unsafe = "backward with create_graph=True (double backward)"
+                    return
+                raise AccumulationError("autopatch mode 'backward' cannot run under create_graph=True "
+                                        "(double backward); use mode 'multi_layer' or 'auto'")
+            self.arrived[slot] = 1
+            unit = self.unit_of[slot]
+            left = self.left[unit] - 1
+            self.left[unit] = left
+            if not left:
+                self._step_unit(unit)
+        finally:
+            if IN_FLIGHT.pending:
+                IN_FLIGHT.left()
+
+    IN_FLIGHT.count_frames_of(_arrive.__code__)   # inline: it runs once per parameter per backward
 
     def _step_unit(self, unit):
         gi, run, ci = self.units[unit]

@@ -21,6 +21,7 @@ tensor's version counter and is an error, never a silently different result.
 
 import weakref
 
+from ..steps_in_flight import IN_FLIGHT
 from ..torch_internals import own_parameters, version_counter
 from .chunk_step import hyperparameters
 from .multi_layer import split_by_grads
@@ -115,7 +116,13 @@ class ForwardFusion(PlannedStrategy):
         if not self.applying:
             self.flush()
 
+    @IN_FLIGHT.region
     def _apply(self, keys):
+        """Apply those of ``keys`` still pending. A region (steps_in_flight.py): disable() from
+        another thread, which applies everything pending, never runs beside it."""
+        keys = [k for k in keys if k in self.pending]
+        if not keys:
+            return
         self.applying = True
         try:
             self._apply_now(keys)

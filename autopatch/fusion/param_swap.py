@@ -21,6 +21,16 @@ class ParamSwap:
         """Keep every group's current list, to put back at ``restore()`` whatever happens to it."""
         self._saved.extend((g, g["params"]) for g in groups)
 
+    def show_saved(self):
+        """Put the saved lists back for a while (the state is read inside the step: a checkpoint
+        from a step hook or a signal handler); returns the ParamSwap whose ``restore()`` puts back
+        the lists in place now."""
+        shown = ParamSwap()
+        for group, params in self._saved:
+            if group["params"] is not params:
+                shown.put(group, params)
+        return shown
+
     def restore(self):
         saved, self._saved = self._saved, []
         for group, params in reversed(saved):

@@ -37,6 +37,7 @@ class ActiveMode:
         self.final_fusion = None      # the last strategy's report, once it is gone
         self.fallen = False
         self._lists = None            # the user's params lists at step(), for a fallback
+        self._shown = None            # the step's own lists, while the user's are shown
 
     def activate(self, opt, mode, reason, strict=False):
         """Leave the current mode (applying anything pending) and build ``mode``. The old one's
@@ -123,6 +124,17 @@ class ActiveMode:
     def flush(self):
         if self.strategy is not None:
             self.strategy.flush()
+
+    def show_user_lists(self):
+        """Inside a step, the user's params lists in place until ``hide_user_lists()``: the
+        state is being read (``state_dict()``), and must read as unpatched."""
+        if self._lists is not None and self._shown is None:
+            self._shown = self._lists.show_saved()
+
+    def hide_user_lists(self):
+        shown, self._shown = self._shown, None
+        if shown is not None:
+            shown.restore()
 
     # -- giving up ----------------------------------------------------------------------------------
     def fall_back(self, opt, where, error):

@@ -212,6 +212,14 @@ class OptimizerController:
         with guard.fallback(self.active, opt, "flushing"):
             self.flush()    # before state_dict()/load_state_dict(): nothing pending, nothing swapped
 
+    def state_reading(self, opt):
+        """``state_dict()`` begins: flushed, and inside a step the user's params lists shown."""
+        self.state_io(opt)
+        self.active.show_user_lists()
+
+    def state_read(self, opt):
+        self.active.hide_user_lists()
+
     def state_loaded(self, opt):
         self.active.invalidate(opt)
         self.chooser.changed("an optimizer state was loaded", self.steps)

@@ -17,6 +17,7 @@ from .. import agreement
 from ..patches.ledger import when_imported
 from ..patches.optimizer import OptimizerPatch
 from ..reporting.sections import ReportSections
+from ..steps_in_flight import IN_FLIGHT
 from .comm_view import CommView
 from .events import Events
 
@@ -148,9 +149,13 @@ class Runtime:
             ctrl = self.adopt(opt)
         return ctrl
 
+    @IN_FLIGHT.region
     def adopt(self, opt):
-        """Put ``opt`` under autopatch (once); returns its handle."""
+        """Put ``opt`` under autopatch (once); returns its handle, or None once uninstalled. A
+        region (steps_in_flight.py): disable() never finds an optimizer half adopted."""
         from ..modes.controller import OptimizerController
+        if not self.active:
+            return None
         ctrl = self.controller_of(opt)
         if ctrl is None:
             sharing = self._sharing(opt)
@@ -174,6 +179,7 @@ class Runtime:
         ctrl = self._by_id.get(id(opt))
         return ctrl if ctrl is not None and ctrl.optimizer is opt else None
 
+    @IN_FLIGHT.region
     def flush(self):
         """Apply every deferred update now (mode forward); harmless in other modes."""
         for ctrl in self.controllers:
