@@ -11,7 +11,7 @@ state tensors are views with its own strides (those torch gives state made with
 takes the path it takes unpatched, and the chunks, being slices of storage, stay elementwise
 aligned with the parameters' state and gradients (``ChunkGrads`` reads those in that order too).
 
-A run may be sharded (``share=(rank, world)``, shares.py): it is cut into one contiguous range
+A run may be sharded (``share=(rank, world)``, sharding/shares.py): it is cut into one contiguous range
 per rank, and this process holds the optimizer state of its own range only (``lo`` to ``hi``;
 the whole run otherwise), steps only the chunks in it (``own``), and mirrors per parameter only
 the state of the parameters wholly inside it (``holds``); the rest of the run's state is other
@@ -28,7 +28,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .chunk_grads import ChunkGrads
-from .shares import cut_shares
+from .sharding.shares import cut_shares
 
 _covered = WeakIdKeyDictionary()     # a live chunk -> the parameters it spans
 

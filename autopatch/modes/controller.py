@@ -46,7 +46,8 @@ class OptimizerController:
         self.active = ActiveMode(self.qualname, policy.fusion.chunk_bytes, forward_reads,
                                  self.eligibility.averager, route_of=lambda: self.chooser.route,
                                  on_switch=lambda: events.emit("switch", self),
-                                 on_fall_back=lambda: self.chooser.stop("autopatch fell back"))
+                                 on_fall_back=lambda: self.chooser.stop("autopatch fell back"),
+                                 shard_of=lambda: self.chooser.shard)
         self.freed = False            # the optimizer was garbage-collected; its report stays
         self.interception = StepInterception(opt, self)
         self._apply(opt, self.chooser.before_any_step())
@@ -140,6 +141,8 @@ class OptimizerController:
         fusion = self.active.describe()
         if fusion is not None:
             out["fusion"] = fusion
+        if self.chooser.fusion.shard:
+            out["shard"] = (fusion or {}).get("shard") or {"active": False, "reason": self.chooser.shard_refusal}
         if self.overridden:
             out["steps_taken_over"] = dict(self.overridden)
         if self.freed:
@@ -202,6 +205,9 @@ class OptimizerController:
     def state_io(self, opt):
         with guard.fallback(self.active, opt, "flushing"):
             self.flush()    # before state_dict()/load_state_dict(): nothing pending, nothing swapped
+
+    def state_packed(self, opt, state_dict):
+        return self.active.packed_state(state_dict)
 
     def state_loaded(self, opt):
         self.active.invalidate(opt)

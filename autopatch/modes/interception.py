@@ -5,7 +5,7 @@ per class by torch itself, and LR schedulers or wrappers such as accelerate's ca
 wrapper, so these hooks see every step however it is reached (closures included). A subclass whose
 ``step()`` calls ``super().step()`` runs torch's wrapper twice: only the outer call is the user's
 step. ``state_dict()`` and ``load_state_dict()`` are hooked too, so nothing is pending or swapped
-in while the state is read or replaced.
+in while the state is read or replaced, and state held elsewhere (sharded across ranks) is packed.
 """
 
 import time
@@ -16,8 +16,9 @@ from ..torch_internals import nested_step_call
 class StepInterception:
     """Calls ``owner.step_begins(opt, closure)`` (which may return a closure to call instead),
     ``owner.step_ends(opt)``, ``owner.step_counted(opt)`` once the step's time is counted,
-    ``owner.state_io(opt)`` before the state is read or loaded, ``owner.state_loaded(opt)``
-    after, and ``owner.step_abandoned()`` when the last step raised before it ended."""
+    ``owner.state_io(opt)`` before the state is read or loaded, ``owner.state_packed(opt,
+    state_dict)`` once it is packed (returns a state dict to return instead, or None),
+    ``owner.state_loaded(opt)`` after a load, and ``owner.step_abandoned()`` when the last step raised before it ended."""
 
     def __init__(self, opt, owner):
         self.owner = owner
@@ -29,6 +30,7 @@ class StepInterception:
             opt.register_step_pre_hook(self._pre_step),
             opt.register_step_post_hook(self._post_step),
             opt.register_state_dict_pre_hook(self._state_io),
+            opt.register_state_dict_post_hook(owner.state_packed),
             opt.register_load_state_dict_pre_hook(self._state_io),
             opt.register_load_state_dict_post_hook(owner.state_loaded),
         ]

@@ -1,11 +1,12 @@
-"""Where a sharded flat run is cut: contiguous shares, within one chunk of even, and inside a
-large parameter's chunk exactly even; a run's chunks stay within one share each."""
+"""Where a sharded flat run is cut: contiguous shares, within one chunk of even, exactly even
+inside a large parameter's chunk, at a parameter boundary inside a chunk of several; a run's
+chunks stay within one share each."""
 
 import pytest
 import torch
 
 from autopatch.fusion.flat_run import FlatRun
-from autopatch.fusion.shares import cut_shares
+from autopatch.fusion.sharding.shares import cut_shares
 
 
 def test_a_large_parameter_is_cut_by_elements():
@@ -14,14 +15,16 @@ def test_a_large_parameter_is_cut_by_elements():
     assert set(cuts) <= set(bounds)
 
 
-def test_a_chunk_of_several_parameters_is_cut_at_its_nearer_boundary():
-    bounds, cuts = cut_shares([0, 3, 7, 12], [0, 1, 3, 5, 7, 9, 12], 2)
-    assert cuts == [0, 7, 12] and bounds == [0, 3, 7, 12]
+def test_a_chunk_of_several_parameters_is_cut_at_the_nearer_boundary_of_a_parameter():
+    bounds, cuts = cut_shares([0, 3, 7, 13], [0, 1, 3, 5, 7, 9, 12], 2)
+    assert cuts == [0, 5, 13] and bounds == [0, 3, 5, 7, 13]
 
 
-def test_a_run_smaller_than_the_world_leaves_some_shares_empty():
+def test_a_run_of_fewer_parameters_than_ranks_leaves_some_shares_empty():
     _, cuts = cut_shares([0, 3], [0, 1, 2], 4)
-    assert cuts == [0, 0, 0, 3, 3]
+    assert cuts == [0, 0, 1, 2, 3]
+    _, cuts = cut_shares([0, 3], [0], 4)
+    assert cuts == [0, 0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
