@@ -10,7 +10,9 @@ Every rank of the group must reach each of these at the same point, as it reache
 allreduce: the steps that call them run on every rank alike. ``state_dict()`` is the exception a
 user's script can break (a rank-0-only save): ``check_everyone`` asks the group through the job's
 store, bounded in time, before the first collective, so such a call raises a clear error instead
-of waiting forever.
+of waiting forever. A DDP model that enters a Join context (``join()`` with uneven inputs) may
+step unevenly from then on: ``uneven()`` says so, and the sharded step gives its state back at
+the next step, which every rank still takes, and adds no collective after it.
 """
 
 import torch.distributed as dist
@@ -18,13 +20,13 @@ import torch.distributed as dist
 from .. import agreement
 
 
-def shard_group(takeover, params):
-    """``(group, None)`` when the optimizer state of ``params`` may be sharded over ``group``:
-    every one of them is in a DDP model ``takeover`` (takeover.py) knows, over that one group of
-    two or more ranks, whose ranks step together and whose gradients are averaged, alike on every
-    rank, before the step (no algorithm exchanging weights); else ``(None, why not)``."""
+def exchange_for(takeover, params):
+    """``(ShardExchange, None)`` when the optimizer state of ``params`` may be sharded: every one
+    of them is in a DDP model ``takeover`` (takeover.py) knows, over one group of two or more
+    ranks, whose ranks step together and whose gradients are averaged, alike on every rank, before
+    the step (no algorithm exchanging weights); else ``(None, why not)``."""
     ids = {id(p) for p in params}
-    held, groups = set(), []
+    held, groups, models = set(), [], []
     for ddp, model in list(takeover.models.items()):
         mine = ids & {id(p) for p in ddp.module.parameters()}
         if not mine:
@@ -35,6 +37,7 @@ def shard_group(takeover, params):
         if algorithm is not None:
             return None, f"communication algorithm {algorithm.name} exchanges weights or state itself"
         held |= mine
+        models.append(model)
         if all(g is not model.group for g in groups):
             groups.append(model.group)
     if held != ids:
@@ -44,7 +47,7 @@ def shard_group(takeover, params):
         return None, "its parameters are in DDP models over different process groups"
     if dist.get_world_size(groups[0]) < 2:
         return None, "its DDP model's process group has one rank"
-    return groups[0], None
+    return ShardExchange(groups[0], models), None
 
 
 class ShardedStateError(RuntimeError):
@@ -52,8 +55,10 @@ class ShardedStateError(RuntimeError):
 
 
 class ShardExchange:
-    def __init__(self, group):
+    def __init__(self, group, models=()):
+        """``models``: the takeover's records of the DDP models whose parameters are sharded."""
         self.group = group
+        self.models = list(models)
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.ranks = dist.get_process_group_ranks(group)
@@ -89,6 +94,12 @@ class ShardExchange:
                 f"{what} gathers the optimizer state sharded over {self.world} ranks, a collective that "
                 f"every rank must call at the same point, but another rank did not ({e}). Call it on "
                 "every rank (then save on one), or run without fusion.shard") from None
+
+    def uneven(self):
+        """Why the ranks may step unevenly from now on (a Join context), or None."""
+        if any(model.uneven for model in self.models):
+            return "its DDP model entered a Join context: its ranks may step unevenly from now on"
+        return None
 
     def describe(self):
         return {"ranks": self.world, "rank": self.rank}

@@ -41,9 +41,8 @@ class CommView:
         if self.takeover is None:
             return None, ("no DistributedDataParallel model is known (DDP was never imported, or "
                           "allreduce.enabled: false leaves DDP models unseen)")
-        from ..comm.shard_exchange import ShardExchange, shard_group
-        group, why = shard_group(self.takeover, params)
-        return (None, why) if group is None else (ShardExchange(group), None)
+        from ..comm.shard_exchange import exchange_for
+        return exchange_for(self.takeover, params)
 
     def step_owner(self, opt):
         return None if self.takeover is None else self.takeover.step_of(opt)

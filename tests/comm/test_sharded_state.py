@@ -64,6 +64,23 @@ def test_disable_mid_run_hands_the_whole_state_back(sharded):
         assert res["disable_mid_run"] is None, (world, rank, res["disable_mid_run"])
 
 
+def test_a_join_context_gives_the_state_back_before_ranks_step_unevenly(sharded):
+    world, results = sharded
+    for rank, res in results.items():
+        got = res["join"]
+        assert got["differs"] is None, (world, rank, got)
+        assert "Join context" in got["shard"]["stopped"] and got["shard"]["active"] is False, got
+        assert got["shard"]["unshards"] == 1 and got["shard"]["gathered_steps"] == 2, got
+
+
+def test_mode_backward_named_runs_sharded_multi_layer_and_says_why(sharded):
+    world, results = sharded
+    for rank, res in results.items():
+        got = res["backward_named"]
+        assert got["differs"] is None and got["mode"] == "multi_layer", got
+        assert "backward does not shard it" in got["reason"] and got["shard"]["active"] is True, got
+
+
 def test_what_cannot_be_sharded_stays_unsharded_with_the_reason(sharded):
     world, results = sharded
     for rank, res in results.items():

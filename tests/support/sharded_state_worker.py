@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join
 
 import autopatch
 from autopatch import agreement
@@ -145,6 +146,8 @@ def suite():
         autopatch.disable()
 
     res["disable_mid_run"] = disable_mid_run(adamw, train(adamw, range(STEPS)))
+    res["join"] = join_uneven(adamw)
+    res["backward_named"] = backward_named(adamw)
     res["refused"] = refused()
     res["state_dict_on_one_rank"] = state_dict_on_one_rank(adamw)
     return res
@@ -166,6 +169,47 @@ def disable_mid_run(make, ref):
         opt.step()
         losses.append(loss.item())
     return differs((losses, [p.detach().clone() for p in model.parameters()], opt.state_dict()), ref)
+
+
+def join_uneven(make):
+    """Sharded for 2 steps, then inside DDP's join() rank r takes 2 + r % 3 more: the state goes
+    back whole at the first step inside it, and the rest runs as unpatched DDP's join()."""
+    def run():
+        model = nn.parallel.DistributedDataParallel(net())
+        opt = make(model.parameters())
+        losses = []
+
+        def step(i):
+            x, y = batch(i)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        for i in range(2):
+            step(i)
+        with Join([model]):
+            for i in range(2, 4 + RANK % 3):
+                step(i)
+        return losses, [p.detach().clone() for p in model.parameters()], opt.state_dict()
+    ref = run()
+    sharded(mode="multi_layer")
+    try:
+        got = run()
+        return dict(report_of(), differs=differs(got, ref))
+    finally:
+        autopatch.disable()
+
+
+def backward_named(make):
+    """Mode backward does not shard: multi_layer runs sharded, and the reason says so."""
+    ref = train(make, range(HALF))
+    sharded(mode="backward")
+    try:
+        got = train(make, range(HALF))
+        return dict(report_of(), differs=differs(got, ref))
+    finally:
+        autopatch.disable()
 
 
 def refused():

@@ -17,7 +17,9 @@ Whenever the plan is about to change (params moved, a param group added, a new c
 mode is left, or sharding stops, the state is first gathered back per parameter (``unshard``), so
 nothing of it is lost; all of these happen at the same step on every rank. Sharding stops, for
 good, when some parameters of a run have no gradient while others have (an optimizer skips a
-parameter without a gradient, which a share of a run cannot do): that optimizer goes on unsharded.
+parameter without a gradient, which a share of a run cannot do), or when its DDP model entered a
+Join context (its ranks may step unevenly, and a rank that ran out of inputs would not join the
+broadcasts): that optimizer goes on unsharded.
 """
 
 import torch
@@ -50,9 +52,11 @@ class ShardedStep(MultiLayerStep):
             self.unshard()
             self.planner.plan()
             self.sharded = [run for run in self.planner.runs() if run.cuts is not None]
-        if self.sharded and split_by_grads(self.sharded)[2]:
-            self.stop(PARTIAL)
-            self.planner.plan()
+        if self.sharded:
+            why = self.exchange.uneven() or (PARTIAL if split_by_grads(self.sharded)[2] else None)
+            if why:
+                self.stop(why)
+                self.planner.plan()
         super().swap_in()
 
     def after_step(self):
