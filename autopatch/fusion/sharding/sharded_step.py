@@ -22,6 +22,8 @@ Join context (its ranks may step unevenly, and a rank that ran out of inputs wou
 broadcasts): that optimizer goes on unsharded.
 """
 
+import time
+
 import torch
 
 from ..multi_layer import MultiLayerStep, split_by_grads
@@ -42,6 +44,7 @@ class ShardedStep(MultiLayerStep):
         self.stopped = None          # why sharding stopped
         self.received_bytes = 0      # over every step: the weights of other ranks' shares
         self.gathered_steps = 0
+        self.gather_seconds = 0.0    # spent in those broadcasts (waiting for the slowest rank included)
         self.unshards = 0
         self.layout = {}             # the report's figures of the plan last sharded (_layout)
 
@@ -64,7 +67,9 @@ class ShardedStep(MultiLayerStep):
         stepped = [run for _, fused in self.swapped for run in fused if run.cuts is not None]
         self.restore()
         if stepped:
+            t0 = time.perf_counter()
             self.received_bytes += self.exchange.broadcast_shares([(run.flat, run.cuts) for run in stepped])
+            self.gather_seconds += time.perf_counter() - t0
             self.gathered_steps += 1
 
     def deactivate(self):
@@ -109,7 +114,8 @@ class ShardedStep(MultiLayerStep):
         if self.sharded:
             self.layout = self._layout()
         out = dict(self.exchange.describe(), active=self.stopped is None, **self.layout,
-                   received_bytes=self.received_bytes, gathered_steps=self.gathered_steps, unshards=self.unshards)
+                   received_bytes=self.received_bytes, gathered_steps=self.gathered_steps,
+                   gather_seconds=round(self.gather_seconds, 6), unshards=self.unshards)
         if self.stopped:
             out["stopped"] = self.stopped
         return dict(super().describe(), shard=out)
