@@ -18,7 +18,8 @@ class StepInterception:
     ``owner.step_ends(opt)``, ``owner.step_counted(opt)`` once the step's time is counted,
     ``owner.state_io(opt)`` before the state is read or loaded, ``owner.state_packed(opt,
     state_dict)`` once it is packed (returns a state dict to return instead, or None),
-    ``owner.state_loaded(opt)`` after a load, and ``owner.step_abandoned()`` when the last step raised before it ended."""
+    ``owner.state_loaded(opt)`` after a load, and ``owner.step_abandoned()`` when the last step
+    raised before it ended."""
 
     def __init__(self, opt, owner):
         self.owner = owner

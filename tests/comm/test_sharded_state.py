@@ -16,7 +16,8 @@ CHUNK = 64 << 10
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"{w}ranks" for w in WORLDS])
 def sharded(request, tmp_path_factory):
     world = request.param
-    results, outputs, codes = spawn_ranks("sharded_state_worker.py", "sharded", tmp_path_factory, 240 + 60 * world, world)
+    results, outputs, codes = spawn_ranks("sharded_state_worker.py", "sharded", tmp_path_factory,
+                                          240 + 60 * world, world)
     assert codes == [0] * world and len(results) == world, "\n".join(outputs)
     return world, results
 
@@ -61,7 +62,16 @@ def test_checkpoints_move_between_sharded_and_unpatched_runs(sharded):
 def test_disable_mid_run_hands_the_whole_state_back(sharded):
     world, results = sharded
     for rank, res in results.items():
-        assert res["disable_mid_run"] is None, (world, rank, res["disable_mid_run"])
+        assert res["disable_mid_run"]["differs"] is None, (world, rank, res["disable_mid_run"])
+
+
+def test_a_new_plan_mid_run_gathers_the_state_and_shards_it_again(sharded):
+    world, results = sharded
+    for rank, res in results.items():
+        got = res["replan_mid_run"]
+        assert got["differs"] is None, (world, rank, got)
+        assert got["shard"]["active"] is True and got["shard"]["unshards"] == 1, got
+        assert got["shard"]["gathered_steps"] == 6, got
 
 
 def test_a_join_context_gives_the_state_back_before_ranks_step_unevenly(sharded):

@@ -2,7 +2,8 @@
 
 A user's DDP script (6 steps, data drawn from (rank, step)) runs unpatched, then with
 ``fusion.shard: true`` under mode multi_layer and auto; checkpoints move from a sharded run to an
-unpatched one and back, and ``disable()`` mid-run hands the whole state back. Each rank saves
+unpatched one and back, ``disable()`` mid-run hands the whole state back, a new chunk size mid-run
+shards it again, and a Join context ends sharding. Each rank saves
 whether losses, weights and ``state_dict()`` equal the unpatched run's bit for bit, and what the
 report said.
 """
@@ -145,7 +146,9 @@ def suite():
     finally:
         autopatch.disable()
 
-    res["disable_mid_run"] = disable_mid_run(adamw, train(adamw, range(STEPS)))
+    ref = train(adamw, range(STEPS))
+    res["disable_mid_run"] = mid_run(adamw, ref, lambda opt: autopatch.disable())
+    res["replan_mid_run"] = mid_run(adamw, ref, new_chunk_size)
     res["join"] = join_uneven(adamw)
     res["backward_named"] = backward_named(adamw)
     res["refused"] = refused()
@@ -153,22 +156,30 @@ def suite():
     return res
 
 
-def disable_mid_run(make, ref):
-    """disable() after 3 sharded steps gathers the whole state back: the rest runs unpatched."""
+def mid_run(make, ref, change):
+    """``change(opt)`` after 3 sharded steps (every rank alike), then 3 more: as unpatched."""
     sharded(mode="multi_layer")
     model = nn.parallel.DistributedDataParallel(net())
     opt = make(model.parameters())
     losses = []
     for step in range(STEPS):
         if step == HALF:
-            autopatch.disable()
+            change(opt)
         x, y = batch(step)
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return differs((losses, [p.detach().clone() for p in model.parameters()], opt.state_dict()), ref)
+    got = differs((losses, [p.detach().clone() for p in model.parameters()], opt.state_dict()), ref)
+    shard = report_of()["shard"] if autopatch.session() is not None else None
+    autopatch.disable()
+    return {"differs": got, "shard": shard}
+
+
+def new_chunk_size(opt):
+    """A new plan: the state is gathered whole, then cut again at the new chunks' shares."""
+    autopatch.session().optimizer(opt).set_chunk_bytes("16KiB")
 
 
 def join_uneven(make):

@@ -84,6 +84,8 @@ class ShardedStep(MultiLayerStep):
 
     def unshard(self):
         """Every sharded run's state back in ``optimizer.state``, whole (a collective)."""
+        if self.sharded:
+            self.layout = self._layout()        # the report keeps what was sharded
         runs, self.sharded = self.sharded, []
         for run in runs:
             for p, state in zip(run.params, gather_state(run, self.exchange)):
@@ -99,7 +101,10 @@ class ShardedStep(MultiLayerStep):
 
     def packed_state(self, state_dict):
         """``state_dict`` (torch's, of this optimizer) with the whole state of the sharded
-        parameters, gathered from every rank, in parameter order as unpatched packs it."""
+        parameters, gathered from every rank, in parameter order as unpatched packs it; None
+        while nothing is sharded (then nothing is gathered, and no other rank is asked)."""
+        if not self.sharded:
+            return None
         self.exchange.check_everyone(f"state_dict() of {type(self.opt).__qualname__}")
         index = {id(p): i for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"])}
         state = dict(state_dict["state"])
@@ -107,7 +112,8 @@ class ShardedStep(MultiLayerStep):
             for p, whole in zip(run.params, gather_state(run, self.exchange)):
                 if whole:
                     state[index[id(p)]] = whole
-        state_dict["state"] = dict(sorted(state.items(), key=lambda kv: kv[0] if isinstance(kv[0], int) else len(index)))
+        order = sorted(k for k in state if isinstance(k, int)) + [k for k in state if not isinstance(k, int)]
+        state_dict["state"] = {k: state[k] for k in order}
         return state_dict
 
     def describe(self):
