@@ -15,9 +15,10 @@ decision with its reason.
   is decided.
 
 Under ``fusion.shard`` an optimizer the probe accepts, in a job whose DDP models allow it, runs
-``multi_layer`` over this rank's share of the state from its first fused step on (the one mode that
-shards it; auto does not measure then, and the watch is not needed); else ``shard_refusal`` says
-why not, and the rest runs as without the setting.
+``multi_layer`` over this rank's share of the state from its first step on (the one mode that
+shards it; mode auto does not leave its first steps unpatched then, which would make the whole
+state on every rank, nor measure, and the watch is not needed); else ``shard_refusal`` says why
+not, and the rest runs as without the setting.
 
 Autotune may also switch the mode at run time; ``chosen_by`` says who set the mode in effect.
 """
@@ -99,7 +100,7 @@ class ModeChooser:
         if self.observation is not None:
             self.observation.on_step(closure)
         if self.phase == NEW:
-            if self.auto is not None and step <= UNWATCHED_STEPS:
+            if self.auto is not None and step <= UNWATCHED_STEPS and not self.fusion.shard:
                 return Decision(OFF, FIRST_STEP)
             return self._first_step(opt, step, current)
         if self.observation is None and self.eligibility.fusable:

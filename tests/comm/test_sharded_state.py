@@ -32,6 +32,7 @@ def test_sharded_state_equals_unpatched_ddp_bitwise(sharded, name, mode):
         assert got["differs"] is None, (world, rank, got)
         assert got["mode"] == "multi_layer" and f"sharded over {world} ranks" in got["reason"], got
         assert got["shard"]["active"] is True and got["shard"]["ranks"] == world, got
+        assert got["shard"]["gathered_steps"] == 6, got      # auto too: sharded from the first step
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
