@@ -6,7 +6,9 @@ One unchanged DDP script (``--worker``) trains AdamW, started zero-code per cont
 - ``ddp``: torch's DistributedDataParallel, autopatch off (the baseline);
 - ``multi_layer``: ``FUSEDOPT_ENABLE=1 FUSEDOPT_MODE=multi_layer``, unsharded: the fused step the
   sharded one is built on;
-- ``sharded``: ``FUSEDOPT_ENABLE=1 FUSEDOPT_POLICY=sharded`` (multi_layer with ``fusion.shard``).
+- ``sharded``: ``FUSEDOPT_ENABLE=1 FUSEDOPT_POLICY=sharded`` (multi_layer with ``fusion.shard``);
+- ``shard_env``: ``FUSEDOPT_ENABLE=1 FUSEDOPT_SHARD=1``, as a user asks for it (the default
+  policy: mode auto, which runs multi_layer sharded from the first step).
 
 Models: ``big``, 5 x Linear(2048, 2048) with ReLU and a 10-way head (80 MiB of float32
 parameters, 160 MiB of AdamW state unsharded, batch 16), and ``mlp``, 4 x Linear(512, 512) with a
@@ -23,6 +25,7 @@ per-round ratios. Every job hashes rank 0's final weights, to show which trained
 did; sharded jobs also give the seconds rank 0 spent in the broadcasts of the updated shares.
 
     python benchmarks/bench_sharded_state.py                   # big and mlp, 2 and 4 ranks
+    python benchmarks/bench_sharded_state.py --models big      # the 80 MiB model only
     python benchmarks/bench_sharded_state.py --quick           # smoke run
 """
 
@@ -36,7 +39,8 @@ from harness.launch import failed, run_ranks
 from harness.machine import closing, summary
 
 CONTENDERS = {"ddp": {}, "multi_layer": {"FUSEDOPT_ENABLE": "1", "FUSEDOPT_MODE": "multi_layer"},
-              "sharded": {"FUSEDOPT_ENABLE": "1", "FUSEDOPT_POLICY": "sharded"}}
+              "sharded": {"FUSEDOPT_ENABLE": "1", "FUSEDOPT_POLICY": "sharded"},
+              "shard_env": {"FUSEDOPT_ENABLE": "1", "FUSEDOPT_SHARD": "1"}}
 MODELS = {"big": (2048, 5, 16), "mlp": (512, 4, 32)}     # width, layers, batch
 
 
