@@ -24,6 +24,11 @@ def _group():
     return dist if dist is not None and dist.get_world_size() > 1 else None
 
 
+def initialised():
+    """True when torch.distributed has a process group set up in this process."""
+    return _initialised() is not None
+
+
 def world_size():
     dist = _group()
     return dist.get_world_size() if dist else 1

@@ -11,6 +11,7 @@ POLICY = "FUSEDOPT_POLICY"        # builtin policy name or path to a YAML file
 MODE = "FUSEDOPT_MODE"            # overrides fusion.mode
 CHUNK_BYTES = "FUSEDOPT_CHUNK_BYTES"  # overrides fusion.chunk_bytes
 EXACT = "FUSEDOPT_EXACT"          # overrides fusion.exact: bitwise or rounding
+SHARD = "FUSEDOPT_SHARD"          # overrides fusion.shard: 1 shards the optimizer state across DDP ranks
 LOGDIR = "FUSEDOPT_LOGDIR"        # overrides logging.tensorboard_dir
 REPORT = "FUSEDOPT_REPORT"        # overrides logging.report: JSON report path, "{rank}" expanded
 BREAKDOWN = "FUSEDOPT_BREAKDOWN"  # overrides logging.breakdown: 0 turns the per-step breakdown off
@@ -37,6 +38,7 @@ OVERRIDES = {
     MODE: "fusion.mode",
     CHUNK_BYTES: "fusion.chunk_bytes",
     EXACT: "fusion.exact",
+    SHARD: "fusion.shard",
     LOGDIR: "logging.tensorboard_dir",
     REPORT: "logging.report",
     BREAKDOWN: "logging.breakdown",
@@ -50,7 +52,7 @@ OVERRIDES = {
     DATA_CACHE: "data.cache",
     DATA_BALANCE: "data.load_balance",
 }
-_STRIPPED = {MODE, CHUNK_BYTES, EXACT, BREAKDOWN, AUTOTUNE, AUTOTUNE_MAX_SAMPLES, AUTOTUNE_TRIAL_SECONDS, AUTOTUNE_WARMUP_SECONDS,
+_STRIPPED = {MODE, CHUNK_BYTES, EXACT, SHARD, BREAKDOWN, AUTOTUNE, AUTOTUNE_MAX_SAMPLES, AUTOTUNE_TRIAL_SECONDS, AUTOTUNE_WARMUP_SECONDS,
              ALGORITHM, DATA_CACHE, DATA_BALANCE}
 
 

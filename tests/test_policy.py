@@ -12,7 +12,7 @@ from autopatch import env, policy, vocabulary
 from autopatch.policy import PolicyError
 from spawn import clean_env, patience, run_python
 
-REQUIRED = {"default", "safe", "multi_layer", "backward", "forward", "autotune", "distributed",
+REQUIRED = {"default", "safe", "multi_layer", "backward", "forward", "autotune", "distributed", "sharded",
             *vocabulary.ALGORITHMS}
 
 
@@ -52,6 +52,8 @@ def test_builtins_say_what_their_name_says():
         assert policy.load(mode).fusion.mode == mode
     assert policy.load("autotune").autotune.enabled is True
     assert policy.load("distributed").allreduce.enabled is True
+    assert policy.load("sharded").fusion.shard is True and policy.load("sharded").fusion.mode == "multi_layer"
+    assert policy.load("default").fusion.shard is False
     assert policy.load("default").algorithm.name == "gradient_allreduce"
     for name in vocabulary.ALGORITHMS:
         assert policy.load(name).algorithm.name == name and policy.load(name).allreduce.enabled is True
@@ -281,7 +283,13 @@ def test_missing_file(tmp_path):
     assert str(missing) in str(err.value) and "not found" in str(err.value)
 
 
+def test_fusedopt_shard_sets_fusion_shard():
+    for value, want in (("1", True), (" on ", True), ("0", False)):
+        assert policy.load("default", env_overrides=env.policy_overrides({"FUSEDOPT_SHARD": value})).fusion.shard is want
+
+
 @pytest.mark.parametrize("var,value,key", [("FUSEDOPT_MODE", "turbo", "fusion.mode"),
+                                           ("FUSEDOPT_SHARD", "2", "fusion.shard"),
                                            ("FUSEDOPT_AUTOTUNE", "maybe", "autotune.enabled"),
                                            ("FUSEDOPT_CHUNK_BYTES", "12", "fusion.chunk_bytes"),
                                            ("FUSEDOPT_ALGORITHM", "gossip", "algorithm.name")])

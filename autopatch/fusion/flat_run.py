@@ -11,6 +11,12 @@ state tensors are views with its own strides (those torch gives state made with
 takes the path it takes unpatched, and the chunks, being slices of storage, stay elementwise
 aligned with the parameters' state and gradients (``ChunkGrads`` reads those in that order too).
 
+A run may be sharded (``share=(rank, world)``, sharding/shares.py): it is cut into one contiguous range
+per rank, and this process holds the optimizer state of its own range only (``lo`` to ``hi``;
+the whole run otherwise), steps only the chunks in it (``own``), and mirrors per parameter only
+the state of the parameters wholly inside it (``holds``); the rest of the run's state is other
+ranks'.
+
 ``stands_for(tensor)`` says which parameters a chunk stands in for while a fused step runs, so
 that what watches an optimizer's param groups (a communication algorithm's check of the
 parameters it updates) sees the user's parameters behind the chunks.
@@ -22,6 +28,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .chunk_grads import ChunkGrads
+from .sharding.shares import cut_shares
 
 _covered = WeakIdKeyDictionary()     # a live chunk -> the parameters it spans
 
@@ -74,10 +81,11 @@ class FlatRun:
     By default (multi_layer) a parameter of at least a chunk's size gets chunks of its own;
     ``align=True`` keeps every parameter whole in one chunk (backward and forward fusion update
     chunks as their parameters' gradients become final). How each chunk gets its gradient is
-    ``grads`` (chunk_grads.py); ``keep_grads`` is passed on to it.
+    ``grads`` (chunk_grads.py); ``keep_grads`` is passed on to it. ``share=(rank, world)``
+    shards its optimizer state (see the module's docstring).
     """
 
-    def __init__(self, params, states, chunk_elems, align=False, keep_grads=False):
+    def __init__(self, params, states, chunk_elems, align=False, keep_grads=False, share=None):
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]
         self.strides = [p.stride() for p in self.params]
@@ -91,7 +99,13 @@ class FlatRun:
         self.param_ptrs = [p.data_ptr() for p in self.params]
         chunk_elems = max(1, chunk_elems)
         bounds = self._aligned_bounds(chunk_elems) if align else self._own_chunks_for_large(chunk_elems)
+        self.cuts, self.lo, self.hi = None, 0, total    # the elements whose state this process holds
+        if share is not None:
+            rank, world = share
+            bounds, self.cuts = cut_shares(bounds, self.offsets, world)
+            self.lo, self.hi = self.cuts[rank], self.cuts[rank + 1]
         self.chunk_bounds = list(zip(bounds[:-1], bounds[1:]))
+        self.own = [ci for ci, (s, e) in enumerate(self.chunk_bounds) if self.lo <= s and e <= self.hi]
         self.chunk_spans = [self._span(s, e) for s, e in self.chunk_bounds]
         self.chunks = [torch.nn.Parameter(self.flat[s:e], requires_grad=True) for s, e in self.chunk_bounds]
         for c, (i0, i1) in zip(self.chunks, self.chunk_spans):
@@ -99,7 +113,7 @@ class FlatRun:
         self.grads = ChunkGrads(self, keep_grads)
         self.chunk_states = [dict() for _ in self.chunks]
         self.chunk_keys = [set() for _ in self.chunks]   # state keys already mirrored per param
-        self.flat_state = {}       # key -> flat tensor (full-size state)
+        self.flat_state = {}       # key -> flat tensor (full-size state; elements lo to hi when sharded)
         self.scalar_state = {}     # key -> 1-D buffer, element i is parameter i's 0-dim value
         self._adopt_state(states)
 
@@ -143,6 +157,30 @@ class FlatRun:
         o = self.offsets[i]
         return flat[o:o + self.params[i].numel()].as_strided(self.shapes[i], self.strides[i])
 
+    def param_view(self, flat, i):
+        """Parameter ``i`` (shape, strides) in ``flat``, a tensor as long as the run."""
+        return self._view(flat, i)
+
+    def holds(self, i):
+        """True when parameter ``i`` lies wholly in the elements whose state this process holds."""
+        return self.lo <= self.offsets[i] and self.offsets[i] + self.params[i].numel() <= self.hi
+
+    def _state_view(self, flat, i):
+        """Parameter ``i`` in ``flat``, a state buffer of elements ``lo`` to ``hi`` (it ``holds`` i)."""
+        o = self.offsets[i] - self.lo
+        return flat[o:o + self.params[i].numel()].as_strided(self.shapes[i], self.strides[i])
+
+    def _copy_held(self, flat, i, tensor):
+        """Copy the part of parameter ``i``'s state ``tensor`` that lies in ``lo`` to ``hi`` into
+        ``flat`` (a state buffer of those elements), in the parameter's memory order."""
+        if self.holds(i):
+            self._state_view(flat, i).copy_(tensor)
+            return
+        o, n = self.offsets[i], self.params[i].numel()
+        a, b = max(o, self.lo), min(o + n, self.hi)
+        if a < b:
+            flat[a - self.lo:b - self.lo].copy_(tensor.as_strided((n,), (1,))[a - o:b - o])
+
     def _back_to_back(self, tensors):
         """A flat view over ``tensors`` when they already lie in order in one storage, each with
         its parameter's strides, else None."""
@@ -171,28 +209,33 @@ class FlatRun:
         state already back to back (an earlier plan's, another mode's) is used where it lies."""
         if not states:
             return
+        owned = [(self.chunk_states[ci], self.chunk_bounds[ci]) for ci in self.own]
         for key, v in states[0].items():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
-                flat = self._back_to_back([st[key] for st in states])
+                flat = None if self.cuts else self._back_to_back([st[key] for st in states])
                 if flat is None:
-                    flat = torch.empty(self.numel, dtype=v.dtype, device=v.device)
+                    flat = torch.empty(self.hi - self.lo, dtype=v.dtype, device=v.device)
                     for i, st in enumerate(states):
-                        self._view(flat, i).copy_(st[key])
-                        st[key] = self._view(flat, i)
+                        self._copy_held(flat, i, st[key])
+                        if self.holds(i):
+                            st[key] = self._state_view(flat, i)
                 self.flat_state[key] = flat
-                for cs, (s, e) in zip(self.chunk_states, self.chunk_bounds):
-                    cs[key] = flat[s:e]
+                for cs, (s, e) in owned:
+                    cs[key] = flat[s - self.lo:e - self.lo]
             elif isinstance(v, torch.Tensor):
                 buf = self.scalar_state[key] = torch.stack([st[key] for st in states])
                 for i, st in enumerate(states):
                     st[key] = buf[i]
-                for cs in self.chunk_states:
+                for cs, _ in owned:
                     cs[key] = v.clone()
             else:
-                for cs in self.chunk_states:
+                for cs, _ in owned:
                     cs[key] = v
-        for keys in self.chunk_keys:
-            keys.update(states[0])
+        for ci in self.own:
+            self.chunk_keys[ci].update(states[0])
+        for i, st in enumerate(states):
+            if not self.holds(i):
+                st.clear()      # another rank holds (the rest of) it
 
     def sync(self, state_of, chunk_ids=None):
         """After chunks stepped: make per-parameter state agree with those chunks' state.
@@ -219,23 +262,24 @@ class FlatRun:
                     return f"state '{key}' is not elementwise (shape differs from the chunk)"
                 flat = self.flat_state.get(key)
                 if flat is None:
-                    flat = self.flat_state[key] = torch.zeros(self.numel, dtype=v.dtype, device=v.device)
-                if v.data_ptr() != flat[s:e].data_ptr():       # created lazily, or replaced
-                    flat[s:e].copy_(v)
-                    cs[key] = flat[s:e]
+                    flat = self.flat_state[key] = torch.zeros(self.hi - self.lo, dtype=v.dtype, device=v.device)
+                mine = flat[s - self.lo:e - self.lo]
+                if v.data_ptr() != mine.data_ptr():       # created lazily, or replaced
+                    mine.copy_(v)
+                    cs[key] = mine
                 if key not in known:
-                    for i in range(i0, i1):
-                        state_of(self.params[i])[key] = self._view(flat, i)
+                    for i in filter(self.holds, range(i0, i1)):
+                        state_of(self.params[i])[key] = self._state_view(flat, i)
             elif isinstance(v, torch.Tensor):
                 buf = self.scalar_state.get(key)
                 if buf is None:
                     buf = self.scalar_state[key] = v.detach().reshape(1).repeat(len(self.params))
                 buf[i0:i1].copy_(v.expand(i1 - i0))
                 if key not in known:
-                    for i in range(i0, i1):
+                    for i in filter(self.holds, range(i0, i1)):
                         state_of(self.params[i])[key] = buf[i]
             else:
-                for i in range(i0, i1):
+                for i in filter(self.holds, range(i0, i1)):
                     st = state_of(self.params[i])
                     if st.get(key, cs) is not v:
                         st[key] = v

@@ -1,7 +1,7 @@
 """The multi-layer fused update: the user's own optimizer steps over a few flat chunks.
 
 Around each ``step()`` the fused groups' ``params`` lists are swapped for chunk parameters (views
-into flat buffers) and the chunks' state is put into ``optimizer.state``; afterwards everything is
+into flat buffers; of a sharded run, the chunks this process owns: ``run.own``) and the chunks' state is put into ``optimizer.state``; afterwards everything is
 swapped back, so outside ``step()`` the optimizer looks exactly as unpatched: same param groups,
 per-parameter state (views into the flat state), same ``state_dict()``.
 """
@@ -69,11 +69,11 @@ class MultiLayerStep(PlannedStrategy):
             if not fused:
                 continue
             for run in fused:
-                run.grads.bind(range(len(run.chunks)))
-            self.lists.put(group, [c for run in fused for c in run.chunks] + unfused + plan.rest)
+                run.grads.bind(run.own)
+            self.lists.put(group, [run.chunks[ci] for run in fused for ci in run.own] + unfused + plan.rest)
             for run in fused:
-                for c, cs in zip(run.chunks, run.chunk_states):
-                    self.opt.state[c] = cs
+                for ci in run.own:
+                    self.opt.state[run.chunks[ci]] = run.chunk_states[ci]
             self.swapped.append((gi, fused))
         if self.swapped:
             self.fused_steps += 1
@@ -84,10 +84,10 @@ class MultiLayerStep(PlannedStrategy):
         swapped, self.swapped = self.swapped, []
         for _, fused in swapped:
             for run in fused:
-                run.grads.release()
-                for c in run.chunks:
-                    self.opt.state.pop(c, None)
-                why = run.sync(self.opt.state.__getitem__)
+                run.grads.release(run.own)
+                for ci in run.own:
+                    self.opt.state.pop(run.chunks[ci], None)
+                why = run.sync(self.opt.state.__getitem__, run.own)
                 if why:
                     raise NotFusable(f"{type(self.opt).__qualname__} cannot be fused: {why}")
 
@@ -131,11 +131,11 @@ class MultiLayerStep(PlannedStrategy):
         if self.route is None or self.route.kind == "bitwise" or not self.swapped:
             return
         groups = self.opt.param_groups
-        items = [(gi, c, cs) for gi, fused in self.swapped
-                 for run in fused for c, cs in zip(run.chunks, run.chunk_states)]
+        items = [(gi, run.chunks[ci], run.chunk_states[ci]) for gi, fused in self.swapped
+                 for run in fused for ci in run.own]
         self.route.step_chunks(self.opt, items)
         for gi, fused in self.swapped:
-            groups[gi]["params"] = groups[gi]["params"][sum(len(run.chunks) for run in fused):]
+            groups[gi]["params"] = groups[gi]["params"][sum(len(run.own) for run in fused):]
 
     # Every way out of a step puts the user's params back and mirrors the state per parameter.
     after_step = flush = deactivate = restore

@@ -35,13 +35,14 @@ class FlatPlanner:
     opt = WeakOptimizer()
 
     def __init__(self, optimizer, chunk_bytes, align=False, owned_storages=None,
-                 adopt_back_to_back=False, moves_params=True):
+                 adopt_back_to_back=False, moves_params=True, share=None):
         self.opt = optimizer
         self.chunk_bytes = int(chunk_bytes)     # as asked for; ``chunk_bytes_used`` after the cap
         self.chunk_bytes_used = None
         self.align = align
         self.adopt_back_to_back = adopt_back_to_back
         self.moves_params = moves_params
+        self.share = share          # (rank, world): runs' optimizer state sharded (flat_run.py)
         # Storages of flat buffers built for this optimizer (by any mode): params living there
         # may be re-flattened, while params sharing a foreign buffer are left alone.
         self.owned = set() if owned_storages is None else owned_storages
@@ -61,6 +62,11 @@ class FlatPlanner:
 
     def mark_stale(self):
         """The optimizer's params or state changed from outside: plan again before the next use."""
+        self.stale = True
+
+    def stop_sharding(self):
+        """From the next plan on, every run holds its whole optimizer state."""
+        self.share = None
         self.stale = True
 
     def stop_moving(self):
@@ -140,7 +146,11 @@ class FlatPlanner:
     def _run(self, params, has_state, keep_grads):
         states = [self.opt.state[p] for p in params] if has_state else None
         elems = max(1, self.chunk_bytes_used // params[0].element_size())
-        return FlatRun(params, states, elems, align=self.align, keep_grads=keep_grads)
+        run = FlatRun(params, states, elems, align=self.align, keep_grads=keep_grads, share=self.share)
+        for p in params if self.share is not None else ():
+            if p in self.opt.state and not self.opt.state[p]:
+                del self.opt.state[p]      # its state is another rank's: absent here, as never stepped
+        return run
 
     def _exclude(self, plan, p, why):
         self.excluded[why] = self.excluded.get(why, 0) + 1

@@ -56,6 +56,11 @@ class Strategy(Protocol):
         """The chunk size its steps use (after any cap and the memory bound), or None."""
         return None
 
+    def packed_state(self, state_dict):
+        """``state_dict()``'s result, once torch packed ``optimizer.state``: None when it is
+        whole (only sharded state is gathered here, from every rank)."""
+        return None
+
     # -- backward fusion: part of a step's update may run before step() ------------------------
     unsafe = None     # why fusion stopped inside this step (not strict): the caller leaves the mode
 

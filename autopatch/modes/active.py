@@ -12,22 +12,25 @@ from .. import dist
 from ..fusion import registry
 from ..fusion.chunking import chunk_bytes_for
 from ..fusion.param_swap import ParamSwap
-from ..vocabulary import BACKWARD, FORWARD, OFF
+from ..vocabulary import BACKWARD, FORWARD, MULTI_LAYER, OFF
 from . import guard
 
 
 class ActiveMode:
-    def __init__(self, qualname, chunk_setting, forward_reads, averager, route_of, on_switch, on_fall_back):
+    def __init__(self, qualname, chunk_setting, forward_reads, averager, route_of, on_switch, on_fall_back,
+                 shard_of=lambda: None):
         """``chunk_setting``: the policy's fusion.chunk_bytes; ``forward_reads``: tracks the
         strategies in mode forward (modes/forward_reads.py); ``averager(opt)``: across processes,
         what averages ``opt``'s gradients inside backward; ``route_of()``: how fused chunks are
-        stepped (fusion/routes.py, chosen at the first step); ``on_switch()`` after every
+        stepped (fusion/routes.py, chosen at the first step); ``shard_of()``: the collectives over
+        the ranks sharing its state under multi_layer, or None (unsharded); ``on_switch()`` after every
         activation; ``on_fall_back()`` once autopatch gave this optimizer up."""
         self.qualname = qualname
         self.chunk_setting = chunk_setting
         self.forward_reads = forward_reads
         self.averager = averager
         self.route_of = route_of
+        self.shard_of = shard_of
         self.on_switch, self.on_fall_back = on_switch, on_fall_back
         self.mode = OFF
         self.reason = "not stepped yet"
@@ -63,8 +66,9 @@ class ActiveMode:
         if self.chunk_bytes is None:
             self.chunk_bytes = chunk_bytes_for(opt, self.chunk_setting)
         averaged_by = self.averager(opt) if mode == BACKWARD and dist.world_size() > 1 else None
+        shard = self.shard_of() if mode == MULTI_LAYER else None
         return registry.build(mode, opt, self.chunk_bytes, owned_storages=self.owned_storages,
-                              route=self.route_of(), averaged_by=averaged_by, strict=strict)
+                              route=self.route_of(), averaged_by=averaged_by, strict=strict, shard=shard)
 
     def chunk_bytes_in_use(self, opt):
         """What the strategy steps with, else what the next one would be asked for."""
@@ -135,6 +139,11 @@ class ActiveMode:
         shown, self._shown = self._shown, None
         if shown is not None:
             shown.restore()
+
+    def packed_state(self, state_dict):
+        """``state_dict()``'s result completed by the strategy (sharded state gathered), or None.
+        Not under the guard: a whole state that cannot be gathered must never pass for one."""
+        return None if self.strategy is None else self.strategy.packed_state(state_dict)
 
     # -- giving up ----------------------------------------------------------------------------------
     def fall_back(self, opt, where, error):

@@ -14,6 +14,12 @@ decision with its reason.
 - ``stopped``: autopatch gave the optimizer up (a failure of its own) or let it go: nothing more
   is decided.
 
+Under ``fusion.shard`` an optimizer the probe accepts, in a job whose DDP models allow it, runs
+``multi_layer`` over this rank's share of the state from its first step on (the one mode that
+shards it; mode auto does not leave its first steps unpatched then, which would make the whole
+state on every rank, nor measure, and the watch is not needed); else ``shard_refusal`` says why
+not, and the rest runs as without the setting.
+
 Autotune may also switch the mode at run time; ``chosen_by`` says who set the mode in effect.
 """
 
@@ -60,6 +66,8 @@ class ModeChooser:
         self.remeasure = None         # why auto measures again at the next step boundary
         self.groups = None            # param groups at the last step: one more means a re-plan
         self.incidents = []           # modes left mid-run because the run stopped suiting them
+        self.shard = None             # fusion.shard granted: the collectives over the ranks sharing the state
+        self.shard_refusal = "not stepped yet"    # fusion.shard asked, not granted: why not
 
     @property
     def decided(self):
@@ -77,6 +85,7 @@ class ModeChooser:
             why = "not selected by the policy's optimizers.include/exclude"
         elif self.requested == OFF:
             why = "policy sets fusion.mode: off"
+            self.shard_refusal = why
         elif self.eligibility.forbidden():
             why = "class matches fusion.forbid in the policy"
         if why is None:
@@ -91,7 +100,7 @@ class ModeChooser:
         if self.observation is not None:
             self.observation.on_step(closure)
         if self.phase == NEW:
-            if self.auto is not None and step <= UNWATCHED_STEPS:
+            if self.auto is not None and step <= UNWATCHED_STEPS and not self.fusion.shard:
                 return Decision(OFF, FIRST_STEP)
             return self._first_step(opt, step, current)
         if self.observation is None and self.eligibility.fusable:
@@ -116,11 +125,14 @@ class ModeChooser:
         self.groups = len(opt.param_groups)
         why = self.eligibility.check(opt, MULTI_LAYER)
         if why:
+            self.shard_refusal = f"left unfused: {why}"
             return Decision(OFF, f"left unfused: {why}")
         self.eligibility.accept()
         fusion = self.fusion
         self.route = choose_route(opt, fusion.exact, fusion.max_deviation, fusion.compile_budget_seconds)
         self.chosen_by = AUTO if self.auto else "policy"
+        if fusion.shard and (sharded := self._sharded(opt)) is not None:
+            return sharded
         wanted = set(self.auto.candidates if self.auto else (self.requested,)) | self._autotune_modes()
         if wanted & set(WATCHED_MODES):
             n = fusion.observe_steps
@@ -156,6 +168,19 @@ class ModeChooser:
             ruled_out.append(f"not {mode}: {why}")
         return None
 
+    def _sharded(self, opt):
+        """multi_layer over this rank's share of the state, when the job allows it; else None."""
+        self.shard, why = self.eligibility.shard_exchange(opt)
+        if self.shard is None:
+            self.shard_refusal = why
+            return None
+        self.shard_refusal = None
+        self.chosen_by = "policy"
+        how = {AUTO: "auto runs multi_layer, the mode that shards it, without measuring",
+               MULTI_LAYER: "multi_layer"}.get(self.requested, f"multi_layer: {self.requested} does not shard it")
+        return Decision(MULTI_LAYER, f"optimizer state sharded over {self.shard.world} ranks (fusion.shard): "
+                                     f"{how}; {self.probe_note()}")
+
     # -- mode auto ----------------------------------------------------------------------------------
     def _autotune_modes(self):
         """The modes autotune may switch this optimizer to, when it tunes the mode."""
@@ -164,7 +189,7 @@ class ModeChooser:
 
     def _auto_measures(self):
         """Mode auto measures, unless autotune searches the mode itself."""
-        return self.auto is not None and not self._autotune_modes()
+        return self.auto is not None and not self._autotune_modes() and self.shard is None
 
     def _auto_begin(self, opt, why, step, current):
         if self._auto_measures():

@@ -48,7 +48,8 @@ class OptimizerController:
         self.active = ActiveMode(self.qualname, policy.fusion.chunk_bytes, forward_reads,
                                  self.eligibility.averager, route_of=lambda: self.chooser.route,
                                  on_switch=lambda: events.emit("switch", self),
-                                 on_fall_back=lambda: self.chooser.stop("autopatch fell back"))
+                                 on_fall_back=lambda: self.chooser.stop("autopatch fell back"),
+                                 shard_of=lambda: self.chooser.shard)
         self.freed = False            # the optimizer was garbage-collected; its report stays
         self.interception = StepInterception(opt, self)
         self._apply(opt, self.chooser.before_any_step())
@@ -142,6 +143,8 @@ class OptimizerController:
         fusion = self.active.describe()
         if fusion is not None:
             out["fusion"] = fusion
+        if self.chooser.fusion.shard:
+            out["shard"] = (fusion or {}).get("shard") or {"active": False, "reason": self.chooser.shard_refusal}
         if self.overridden:
             out["steps_taken_over"] = dict(self.overridden)
         if self.freed:
@@ -217,8 +220,11 @@ class OptimizerController:
         self.state_io(opt)
         self.active.show_user_lists()
 
-    def state_read(self, opt):
+    def state_read(self, opt, state_dict):
+        """``state_dict()`` ended: the lists hidden again, and its result completed where the
+        strategy holds state elsewhere (sharded state gathered; None: return it as it is)."""
         self.active.hide_user_lists()
+        return self.active.packed_state(state_dict)
 
     def state_loaded(self, opt):
         self.active.invalidate(opt)

@@ -9,6 +9,7 @@ Every answer is a reason in words, for the report.
 """
 
 from .. import dist
+from ..fusion.flattenable import holds_dtensors
 from ..fusion.fusability import probe
 from ..policy import class_matches
 from ..torch_internals import unhooked_step
@@ -83,6 +84,23 @@ class Eligibility:
         if mode in WATCHED_MODES and not self.watched:
             return "the first steps were not watched"
         return self._probe_refusal(opt, mode)
+
+    def shard_exchange(self, opt):
+        """``(exchange, None)`` when ``opt``'s state may be sharded across the ranks of its DDP
+        models (``fusion.shard``), else ``(None, why not)``. Asked once the probe accepted the class
+        as bitwise: an elementwise update steps a share of a run exactly as it steps the whole."""
+        if not dist.initialised():
+            return None, "no process group (torch.distributed is not initialised)"
+        if dist.world_size() < 2:
+            return None, "world size is 1: one process holds the whole state"
+        if self.fusion.exact != "bitwise":
+            return None, "fusion.exact: rounding steps chunks through routes that do not step shares"
+        if self.unprobed():
+            return None, ("fused without the probe (fusion.force / fusion.probe: false): only an update "
+                          "the probe found elementwise may be stepped in shares")
+        if holds_dtensors(opt):
+            return None, "DTensor parameters (FSDP2, tensor parallel): their mesh shards them already"
+        return self.comm.shard_exchange_of([p for g in opt.param_groups for p in g["params"] if p.requires_grad])
 
     def averager(self, opt):
         """Across processes, backward fusion updates a chunk once autopatch's allreduce has

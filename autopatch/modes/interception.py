@@ -5,7 +5,7 @@ per class by torch itself, and LR schedulers or wrappers such as accelerate's ca
 wrapper, so these hooks see every step however it is reached (closures included). A subclass whose
 ``step()`` calls ``super().step()`` runs torch's wrapper twice: only the outer call is the user's
 step. ``state_dict()`` and ``load_state_dict()`` are hooked too, so nothing is pending or swapped
-in while the state is read or replaced.
+in while the state is read or replaced, and state held elsewhere (sharded across ranks) is packed.
 
 From the pre-hook to the post-hook a step is in flight (``steps_in_flight.py``): enable() and
 disable() never land inside it, so no step is ever half patched. A hook that torch calls after the
@@ -23,7 +23,8 @@ from ..torch_internals import nested_step_call, step_wrapper_code
 class StepInterception:
     """Calls ``owner.step_begins(opt, closure)`` (which may return a closure to call instead),
     ``owner.step_ends(opt)``, ``owner.step_counted(opt)`` once the step's time is counted,
-    ``owner.state_reading(opt)`` and ``owner.state_read(opt)`` around ``state_dict()``,
+    ``owner.state_reading(opt)`` and ``owner.state_read(opt, state_dict)`` around ``state_dict()``
+    (the latter may return a state dict to return instead: sharded state gathered),
     ``owner.state_io(opt)`` before the state is loaded, ``owner.state_loaded(opt)`` after, and
     ``owner.step_abandoned()`` when the last step raised before it ended."""
 
@@ -91,7 +92,8 @@ class StepInterception:
     @IN_FLIGHT.region
     def _state_read(self, opt, state):
         if not self._removed:
-            self.owner.state_read(opt)
+            return self.owner.state_read(opt, state)
+        return None
 
     @IN_FLIGHT.region
     def _state_io(self, opt, *args):

@@ -110,6 +110,8 @@ class Fusion:
                                       "the fused modes auto measures against off; auto: all",
                                       spellings={"auto_order": mode_candidates})
     measure_steps: int = setting(200, typed(int, 16, 1_000_000), "mode auto: the most steps one measurement takes")
+    shard: bool = setting(False, typed(bool),
+                          "across DDP ranks: each rank holds and steps the optimizer state of 1/N of every flat run")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ def summary(report):
                          f"bound {route['bound']:.2g}) - {route['why']}")
         elif route and route["why"] != "fusion.exact: bitwise":
             lines.append(f"    route {route['route']} - {route['why']}")
+        if o.get("shard"):
+            lines.append("    " + _shard_line(o["shard"]))
         auto = o.get("auto")
         if auto and auto.get("ms_per_step"):
             lines.append("    " + _auto_line(auto, o["steps"], report["timing"].get("wall_seconds")))
@@ -33,6 +35,20 @@ def summary(report):
     if not_written:
         lines.append("  not written (training went on): " + "; ".join(not_written))
     return "\n".join(lines)
+
+
+def _shard_line(shard):
+    """Whether the optimizer state is sharded, what each rank holds, and what it costs per step."""
+    if "ranks" not in shard:
+        return f"state not sharded: {shard['reason']}"
+    mib = 1 / 2**20
+    line = (f"state sharded over {shard['ranks']} ranks: {shard.get('state_bytes', 0) * mib:.2f} MiB of optimizer "
+            f"state on rank {shard['rank']} (unsharded {shard.get('state_bytes_unsharded', 0) * mib:.2f} MiB); "
+            f"{shard.get('gather_bytes_per_step', 0) * mib:.2f} MiB of weights received per step in "
+            f"{shard.get('broadcasts_per_step', 0)} broadcasts")
+    if shard.get("unsharded_params"):
+        line += f"; {shard['unsharded_params']} params outside flat runs keep their whole state on every rank"
+    return line + (f"; sharding stopped: {shard['stopped']}" if shard.get("stopped") else "")
 
 
 NAMES = {"data": "data wait", "comm": "communication wait"}

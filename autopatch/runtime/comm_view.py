@@ -7,6 +7,9 @@ Every optimizer's controller (modes/) gets this one view, and nothing else of co
 - ``algorithm_of(params)``: the communication algorithm that exchanges their weights or optimizer
   state (its ``name``, the ``fusion_modes`` it allows and its ``fusion_refusal``), or None;
 - ``step_owner(opt)``: what takes ``opt``'s step over (qadam past warm-up: ``name``, ``step(opt)``);
+- ``shard_exchange_of(params)``: ``(exchange, None)`` where the optimizer state of ``params`` may be
+  sharded (comm/shard_exchange.py: the collectives over their DDP models' group), else
+  ``(None, why not)``;
 - ``group_of(params)``: the process group of the DDP model holding them, the ranks mode auto's
   decisions agree across; None: each rank decides alone (no such model, or its ranks may step
   unevenly);
@@ -33,6 +36,13 @@ class CommView:
 
     def group_of(self, params):
         return None if self.takeover is None else self.takeover.group_of(params)
+
+    def shard_exchange_of(self, params):
+        if self.takeover is None:
+            return None, ("no DistributedDataParallel model is known (DDP was never imported, or "
+                          "allreduce.enabled: false leaves DDP models unseen)")
+        from ..comm.shard_exchange import exchange_for
+        return exchange_for(self.takeover, params)
 
     def step_owner(self, opt):
         return None if self.takeover is None else self.takeover.step_of(opt)

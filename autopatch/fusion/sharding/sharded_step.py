@@ -1,0 +1,143 @@
+"""Mode multi_layer with the optimizer state sharded across the ranks of a DDP job (ZeRO-1 over
+DDP's own allreduce).
+
+DDP averages every gradient on every rank alike, as unpatched. Each rank then steps, through the
+user's own ``step()``, only the chunks of its share of each flat run (flat_run.py, shares.py), with
+the optimizer state of that share only; an elementwise update gives each element the value it gets
+unpatched, so the weights stay DDP's bit for bit. After the step each share is broadcast from its
+owner into every rank's flat buffer, so every rank holds all the weights before the next forward.
+
+Outside ``step()`` this rank's ``optimizer.state`` holds, as unpatched, the state of the parameters
+wholly in its share (views of its shard); the others have no entry. ``state_dict()`` gathers the
+whole state, as unpatched would return it (``packed_state``): a collective, so every rank must call
+it (a call on some ranks only is a clear error, comm/shard_exchange.py). ``load_state_dict()`` puts
+a whole state back per parameter, and the next plan keeps this rank's share of it.
+
+Whenever the plan is about to change (params moved, a param group added, a new chunk size), the
+mode is left, or sharding stops, the state is first gathered back per parameter (``unshard``), so
+nothing of it is lost; all of these happen at the same step on every rank. Sharding stops, for
+good, when some parameters of a run have no gradient while others have (an optimizer skips a
+parameter without a gradient, which a share of a run cannot do), or when its DDP model entered a
+Join context (its ranks may step unevenly, and a rank that ran out of inputs would not join the
+broadcasts): that optimizer goes on unsharded.
+"""
+
+import time
+
+import torch
+
+from ..multi_layer import MultiLayerStep, split_by_grads
+from ..planner import FlatPlanner
+from .whole_state import gather_state
+
+PARTIAL = "some parameters of a run had no gradient while others had (they are skipped, unsharded)"
+
+
+class ShardedStep(MultiLayerStep):
+    def __init__(self, optimizer, chunk_bytes, exchange, owned_storages=None):
+        """``exchange``: the collectives over the ranks that share the state (comm/shard_exchange.py)."""
+        planner = FlatPlanner(optimizer, chunk_bytes, owned_storages=owned_storages,
+                              share=(exchange.rank, exchange.world))
+        super().__init__(optimizer, chunk_bytes, planner=planner)
+        self.exchange = exchange
+        self.sharded = []            # the runs whose state is sharded now
+        self.stopped = None          # why sharding stopped
+        self.received_bytes = 0      # over every step: the weights of other ranks' shares
+        self.gathered_steps = 0
+        self.gather_seconds = 0.0    # spent in those broadcasts (waiting for the slowest rank included)
+        self.unshards = 0
+        self.layout = {}             # the report's figures of the plan last sharded (_layout)
+
+    def swap_in(self):
+        if self.lists:
+            return
+        if self.planner.needs_plan():
+            self.unshard()
+            self.planner.plan()
+            self.sharded = [run for run in self.planner.runs() if run.cuts is not None]
+        if self.sharded:
+            why = self.exchange.uneven() or (PARTIAL if split_by_grads(self.sharded)[2] else None)
+            if why:
+                self.stop(why)
+                self.planner.plan()
+        super().swap_in()
+
+    def after_step(self):
+        """The user's params and state are back; every rank gets the other shares' new weights."""
+        stepped = [run for _, fused in self.swapped for run in fused if run.cuts is not None]
+        self.restore()
+        if stepped:
+            t0 = time.perf_counter()
+            self.received_bytes += self.exchange.broadcast_shares([(run.flat, run.cuts) for run in stepped])
+            self.gather_seconds += time.perf_counter() - t0
+            self.gathered_steps += 1
+
+    def deactivate(self):
+        self.restore()
+        self.unshard()
+
+    def invalidate(self):
+        """A state was loaded: it is whole per parameter now, and the shards are stale."""
+        self.flush()
+        self.sharded = []
+        self.planner.mark_stale()
+
+    def unshard(self):
+        """Every sharded run's state back in ``optimizer.state``, whole (a collective)."""
+        if self.sharded:
+            self.layout = self._layout()        # the report keeps what was sharded
+        runs, self.sharded = self.sharded, []
+        for run in runs:
+            for p, state in zip(run.params, gather_state(run, self.exchange)):
+                if state:
+                    self.opt.state[p] = state
+        self.unshards += bool(runs)
+
+    def stop(self, why):
+        """Go on unsharded from the next plan on (the state is gathered now)."""
+        self.unshard()
+        self.planner.stop_sharding()
+        self.stopped = why
+
+    def packed_state(self, state_dict):
+        """``state_dict`` (torch's, of this optimizer) with the whole state of the sharded
+        parameters, gathered from every rank, in parameter order as unpatched packs it; None
+        while nothing is sharded (then nothing is gathered, and no other rank is asked)."""
+        if not self.sharded:
+            return None
+        self.exchange.check_everyone(f"state_dict() of {type(self.opt).__qualname__}")
+        index = {id(p): i for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"])}
+        state = dict(state_dict["state"])
+        for run in self.sharded:
+            for p, whole in zip(run.params, gather_state(run, self.exchange)):
+                if whole:
+                    state[index[id(p)]] = whole
+        order = sorted(k for k in state if isinstance(k, int)) + [k for k in state if not isinstance(k, int)]
+        state_dict["state"] = {k: state[k] for k in order}
+        return state_dict
+
+    def describe(self):
+        if self.sharded:
+            self.layout = self._layout()
+        out = dict(self.exchange.describe(), active=self.stopped is None, **self.layout,
+                   received_bytes=self.received_bytes, gathered_steps=self.gathered_steps,
+                   gather_seconds=round(self.gather_seconds, 6), unshards=self.unshards)
+        if self.stopped:
+            out["stopped"] = self.stopped
+        return dict(super().describe(), shard=out)
+
+    def _layout(self):
+        """Per rank, of the plan last sharded: the optimizer state held against what an
+        unsharded run holds, and the weights received after each step."""
+        held = whole = per_step = 0
+        for run in self.sharded:
+            for key, buf in run.flat_state.items():
+                held += buf.numel() * buf.element_size()
+                whole += run.numel * buf.element_size()
+            per_step += (run.numel - (run.hi - run.lo)) * run.flat.element_size()
+        rest = sum(v.numel() * v.element_size() for plan in (self.planner.plans or []) for p in plan.rest
+                   for v in self.opt.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.dim())
+        return {"state_bytes_unsharded": whole + rest, "state_bytes": held + rest,
+                "unsharded_params": sum(len(plan.rest) for plan in (self.planner.plans or [])),
+                "gather_bytes_per_step": per_step,
+                "broadcasts_per_step": sum(sum(e > s for s, e in zip(run.cuts, run.cuts[1:])) for run in self.sharded)}

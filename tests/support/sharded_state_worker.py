@@ -1,0 +1,271 @@
+"""One rank of the sharded-state tests: ``python sharded_state_worker.py SUITE RANK INIT_FILE OUT WORLD``.
+
+A user's DDP script (6 steps, data drawn from (rank, step)) runs unpatched, then with
+``fusion.shard: true`` under mode multi_layer and auto; checkpoints move from a sharded run to an
+unpatched one and back, ``disable()`` mid-run hands the whole state back, a new chunk size mid-run
+shards it again, and a Join context ends sharding. Each rank saves
+whether losses, weights and ``state_dict()`` equal the unpatched run's bit for bit, and what the
+report said.
+"""
+
+import copy
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join
+
+import autopatch
+from autopatch import agreement
+
+SUITE, RANK, INIT_FILE, OUT, WORLD = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+STEPS, HALF = 6, 3
+SHARD = {"chunk_bytes": "64KiB", "fusion": {"shard": True}}
+OPTIMIZERS = {"adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+              "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)}
+
+
+class TrustRatioSGD(torch.optim.Optimizer):
+    """A per-tensor update (LARS-like: scaled by the parameter's and its gradient's norms)."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    ratio = p.norm() / (p.grad.norm() + 1e-6)
+                    p.add_(p.grad, alpha=-group["lr"] * float(ratio))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(10_000 * RANK + step)
+    return torch.randn(8, 64, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def net():
+    """About 1.2 MB of parameters in tensors large and small: with 64 KiB chunks every share
+    holds parts of several runs and the cuts fall inside parameters and between them."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 384), nn.ReLU(), nn.Linear(384, 768), nn.ReLU(), nn.LayerNorm(768),
+                         nn.Linear(768, 4))
+
+
+def train(make_opt, steps, start=None, ddp=True):
+    """Losses, weights and (every rank asks for it) the optimizer's state_dict after ``steps``;
+    ``start``: (weights, state_dict) to begin from."""
+    model = net()
+    if start is not None:
+        with torch.no_grad():
+            for p, w in zip(model.parameters(), start[0]):
+                p.copy_(w)
+    if ddp:
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = make_opt(model.parameters())
+    if start is not None:
+        opt.load_state_dict(copy.deepcopy(start[1]))     # an optimizer steps the state it loads in place
+    losses = []
+    for step in steps:
+        x, y = batch(step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    held = sum(1 for p in model.parameters() if opt.state.get(p))
+    return losses, [p.detach().clone() for p in model.parameters()], opt.state_dict(), held
+
+
+def differs(got, ref):
+    (losses, weights, sd), (ref_losses, ref_weights, ref_sd) = got[:3], ref[:3]
+    if losses != ref_losses:
+        return f"losses differ: {losses} vs {ref_losses}"
+    for i, (w, r) in enumerate(zip(weights, ref_weights)):
+        if not torch.equal(w, r):
+            return f"weight {i} differs by {(w.double() - r.double()).abs().max().item():.3g}"
+    if sd["state"].keys() != ref_sd["state"].keys() or sd["param_groups"] != ref_sd["param_groups"]:
+        return f"state_dict keys differ: {list(sd['state'])} vs {list(ref_sd['state'])}"
+    for i, st in ref_sd["state"].items():
+        mine = sd["state"][i]
+        if mine.keys() != st.keys():
+            return f"state of param {i}: keys {list(mine)} vs {list(st)}"
+        for key, v in st.items():
+            w = mine[key]
+            same = torch.equal(w, v) and w.stride() == v.stride() if isinstance(v, torch.Tensor) else w == v
+            if not same:
+                return f"state {key!r} of param {i} differs"
+    return None
+
+
+def sharded(**kw):
+    autopatch.enable(**dict(SHARD, **kw))
+
+
+def report_of(opt_index=0):
+    o = autopatch.report()["optimizers"][opt_index]
+    return {"mode": o["mode"], "reason": o["reason"], "shard": o.get("shard")}
+
+
+def suite():
+    res = {}
+    for name, make in OPTIMIZERS.items():
+        ref = train(make, range(STEPS))
+        for mode in ("multi_layer", "auto"):
+            sharded(mode=mode)
+            try:
+                got = train(make, range(STEPS))
+                res["parity", name, mode] = dict(report_of(), differs=differs(got, ref), held=got[3],
+                                                 params=len(ref[1]))
+            finally:
+                autopatch.disable()
+            dist.barrier()
+
+    # A resumed job builds a new DDP model, whose first buckets are not the rebuilt ones a running
+    # job has: over more than two ranks gloo then sums some gradients in another order, so a
+    # resumed run is compared with an unpatched run resumed from the unpatched checkpoint.
+    adamw = OPTIMIZERS["adamw"]
+    ref_first = train(adamw, range(HALF))
+    ref_second = train(adamw, range(HALF, STEPS), start=(ref_first[1], ref_first[2]))
+    sharded(mode="multi_layer")                     # sharded -> unpatched
+    try:
+        first = train(adamw, range(HALF))
+    finally:
+        autopatch.disable()
+    second = train(adamw, range(HALF, STEPS), start=(first[1], first[2]))
+    res["sharded_to_unpatched"] = differs(first, ref_first) or differs(second, ref_second)
+
+    sharded(mode="multi_layer")                     # unpatched -> sharded
+    try:
+        second = train(adamw, range(HALF, STEPS), start=(ref_first[1], ref_first[2]))
+        res["unpatched_to_sharded"] = dict(report_of(), differs=differs(second, ref_second))
+    finally:
+        autopatch.disable()
+
+    ref = train(adamw, range(STEPS))
+    res["disable_mid_run"] = mid_run(adamw, ref, lambda opt: autopatch.disable())
+    res["replan_mid_run"] = mid_run(adamw, ref, new_chunk_size)
+    res["join"] = join_uneven(adamw)
+    res["backward_named"] = backward_named(adamw)
+    res["refused"] = refused()
+    res["state_dict_on_one_rank"] = state_dict_on_one_rank(adamw)
+    return res
+
+
+def mid_run(make, ref, change):
+    """``change(opt)`` after 3 sharded steps (every rank alike), then 3 more: as unpatched."""
+    sharded(mode="multi_layer")
+    model = nn.parallel.DistributedDataParallel(net())
+    opt = make(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        if step == HALF:
+            change(opt)
+        x, y = batch(step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    got = differs((losses, [p.detach().clone() for p in model.parameters()], opt.state_dict()), ref)
+    shard = report_of()["shard"] if autopatch.session() is not None else None
+    autopatch.disable()
+    return {"differs": got, "shard": shard}
+
+
+def new_chunk_size(opt):
+    """A new plan: the state is gathered whole, then cut again at the new chunks' shares."""
+    autopatch.session().optimizer(opt).set_chunk_bytes("16KiB")
+
+
+def join_uneven(make):
+    """Sharded for 2 steps, then inside DDP's join() rank r takes 2 + r % 3 more: the state goes
+    back whole at the first step inside it, and the rest runs as unpatched DDP's join()."""
+    def run():
+        model = nn.parallel.DistributedDataParallel(net())
+        opt = make(model.parameters())
+        losses = []
+
+        def step(i):
+            x, y = batch(i)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        for i in range(2):
+            step(i)
+        with Join([model]):
+            for i in range(2, 4 + RANK % 3):
+                step(i)
+        return losses, [p.detach().clone() for p in model.parameters()], opt.state_dict()
+    ref = run()
+    sharded(mode="multi_layer")
+    try:
+        got = run()
+        return dict(report_of(), differs=differs(got, ref))
+    finally:
+        autopatch.disable()
+
+
+def backward_named(make):
+    """Mode backward does not shard: multi_layer runs sharded, and the reason says so."""
+    ref = train(make, range(HALF))
+    sharded(mode="backward")
+    try:
+        got = train(make, range(HALF))
+        return dict(report_of(), differs=differs(got, ref))
+    finally:
+        autopatch.disable()
+
+
+def refused():
+    """A per-tensor optimizer, and parameters outside any DDP model, stay unsharded and say why;
+    training goes on as unpatched."""
+    out = {}
+    for name, make, ddp in (("per_tensor", TrustRatioSGD, True), ("outside_ddp", OPTIMIZERS["adamw"], False)):
+        ref = train(make, range(HALF), ddp=ddp)
+        sharded(mode="multi_layer")
+        try:
+            got = train(make, range(HALF), ddp=ddp)
+            out[name] = dict(report_of(), differs=differs(got, ref))
+        finally:
+            autopatch.disable()
+    return out
+
+
+def state_dict_on_one_rank(make):
+    """Rank 0 alone asks for the whole state: a clear error within the bounded wait, no hang."""
+    agreement.WAIT_SECONDS = 3.0
+    sharded(mode="multi_layer")
+    try:
+        model = nn.parallel.DistributedDataParallel(net())
+        opt = make(model.parameters())
+        x, y = batch(0)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        error = None
+        if RANK == 0:
+            try:
+                opt.state_dict()
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+    finally:
+        autopatch.disable()
+    return error
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo", init_method=f"file://{INIT_FILE}", rank=RANK, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    torch.set_num_threads(1)
+    results = {"sharded": suite}[SUITE]()
+    torch.save(results, OUT)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
