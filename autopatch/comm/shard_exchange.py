@@ -18,6 +18,9 @@ the next step, which every rank still takes, and adds no collective after it.
 import torch.distributed as dist
 
 from .. import agreement
+from .waiting import Waiter
+
+JOINED = "its DDP model entered a Join context: its ranks may step unevenly"
 
 
 def exchange_for(takeover, params):
@@ -32,7 +35,7 @@ def exchange_for(takeover, params):
         if not mine:
             continue
         if model.uneven:
-            return None, "its DDP model entered a Join context: its ranks may step unevenly"
+            return None, JOINED
         algorithm = takeover.algorithms.get(ddp)
         if algorithm is not None:
             return None, f"communication algorithm {algorithm.name} exchanges weights or state itself"
@@ -62,6 +65,7 @@ class ShardExchange:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.ranks = dist.get_process_group_ranks(group)
+        self.waiter = Waiter(None, "sharded optimizer state")   # the group's timeout; counted as comm
 
     def broadcast_shares(self, buffers):
         """For each ``(flat, cuts)``: rank r's ``flat[cuts[r]:cuts[r + 1]]`` to every rank, in place.
@@ -74,8 +78,7 @@ class ShardExchange:
                     works.append(dist.broadcast(flat[s:e], src=self.ranks[r], group=self.group, async_op=True))
                     if r != self.rank:
                         received += (e - s) * flat.element_size()
-        for work in works:
-            work.wait()
+        self.waiter.wait(works, "the updated shares of the weights")
         return received
 
     def gather_objects(self, obj):
@@ -97,9 +100,7 @@ class ShardExchange:
 
     def uneven(self):
         """Why the ranks may step unevenly from now on (a Join context), or None."""
-        if any(model.uneven for model in self.models):
-            return "its DDP model entered a Join context: its ranks may step unevenly from now on"
-        return None
+        return f"{JOINED} from now on" if any(model.uneven for model in self.models) else None
 
     def describe(self):
         return {"ranks": self.world, "rank": self.rank}

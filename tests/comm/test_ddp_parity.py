@@ -12,7 +12,7 @@ unpatched and under mode auto, multi_layer and backward, on every rank.
 
 import pytest
 
-from spawn import spawn_ranks
+from spawn import results_of_every_rank
 
 WORLDS = (2, 3, 4, 8)
 SCENARIOS = ("ddp_default", "bucket_cap_mb", "find_unused_parameters", "static_graph", "gradient_as_bucket_view",
@@ -24,9 +24,7 @@ MODES = ("auto", "multi_layer", "backward")
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"{w}ranks" for w in WORLDS])
 def parity(request, tmp_path_factory):
     world = request.param
-    results, outputs, codes = spawn_ranks("ddp_parity_worker.py", "parity", tmp_path_factory, 300 + 60 * world, world)
-    assert codes == [0] * world and len(results) == world, "\n".join(outputs)
-    return world, results
+    return world, results_of_every_rank("ddp_parity_worker.py", "parity", tmp_path_factory, 300 + 60 * world, world)
 
 
 @pytest.mark.parametrize("mode", MODES)

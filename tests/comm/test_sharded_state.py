@@ -5,7 +5,7 @@ the reason, never a hang (``sharded_state_worker.py`` is the user's script)."""
 
 import pytest
 
-from spawn import spawn_ranks
+from spawn import results_of_every_rank
 
 WORLDS = (2, 3, 4)
 OPTIMIZERS = ("adamw", "sgd_momentum")
@@ -16,10 +16,7 @@ CHUNK = 64 << 10
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"{w}ranks" for w in WORLDS])
 def sharded(request, tmp_path_factory):
     world = request.param
-    results, outputs, codes = spawn_ranks("sharded_state_worker.py", "sharded", tmp_path_factory,
-                                          240 + 60 * world, world)
-    assert codes == [0] * world and len(results) == world, "\n".join(outputs)
-    return world, results
+    return world, results_of_every_rank("sharded_state_worker.py", "sharded", tmp_path_factory, 240 + 60 * world, world)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -6,8 +6,6 @@ scenario and mode: whether its losses and weights equal its unpatched run's bit 
 the report said about the gradient sync and the mode that ran.
 """
 
-import datetime
-import os
 import sys
 
 import torch
@@ -16,8 +14,9 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import autopatch
+from spawn import run_rank
 
-SUITE, RANK, INIT_FILE, OUT, WORLD = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+RANK, WORLD = int(sys.argv[2]), int(sys.argv[5])     # of SUITE RANK INIT_FILE OUT WORLD (spawn.run_rank)
 STEPS = 6
 MODES = ("auto", "multi_layer", "backward")
 
@@ -180,12 +179,4 @@ def parity():
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo", init_method=f"file://{INIT_FILE}", rank=RANK, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
-    torch.set_num_threads(1)
-    results = {"parity": parity}[SUITE]()
-    torch.save(results, OUT)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    run_rank({"parity": parity})

@@ -9,8 +9,6 @@ report said.
 """
 
 import copy
-import datetime
-import os
 import sys
 
 import torch
@@ -19,9 +17,10 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import autopatch
+from spawn import run_rank
 from autopatch import agreement
 
-SUITE, RANK, INIT_FILE, OUT, WORLD = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+RANK, WORLD = int(sys.argv[2]), int(sys.argv[5])     # of SUITE RANK INIT_FILE OUT WORLD (spawn.run_rank)
 STEPS, HALF = 6, 3
 SHARD = {"chunk_bytes": "64KiB", "fusion": {"shard": True}}
 OPTIMIZERS = {"adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
@@ -69,16 +68,19 @@ def train(make_opt, steps, start=None, ddp=True):
     opt = make_opt(model.parameters())
     if start is not None:
         opt.load_state_dict(copy.deepcopy(start[1]))     # an optimizer steps the state it loads in place
-    losses = []
-    for step in steps:
-        x, y = batch(step)
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = [train_step(model, opt, step) for step in steps]
     held = sum(1 for p in model.parameters() if opt.state.get(p))
     return losses, [p.detach().clone() for p in model.parameters()], opt.state_dict(), held
+
+
+def train_step(model, opt, step):
+    """One step of the user's loop on ``step``'s batch; its loss."""
+    x, y = batch(step)
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
 
 
 def differs(got, ref):
@@ -165,12 +167,7 @@ def mid_run(make, ref, change):
     for step in range(STEPS):
         if step == HALF:
             change(opt)
-        x, y = batch(step)
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        losses.append(train_step(model, opt, step))
     got = differs((losses, [p.detach().clone() for p in model.parameters()], opt.state_dict()), ref)
     shard = report_of()["shard"] if autopatch.session() is not None else None
     autopatch.disable()
@@ -188,20 +185,9 @@ def join_uneven(make):
     def run():
         model = nn.parallel.DistributedDataParallel(net())
         opt = make(model.parameters())
-        losses = []
-
-        def step(i):
-            x, y = batch(i)
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        for i in range(2):
-            step(i)
+        losses = [train_step(model, opt, i) for i in range(2)]
         with Join([model]):
-            for i in range(2, 4 + RANK % 3):
-                step(i)
+            losses += [train_step(model, opt, i) for i in range(2, 4 + RANK % 3)]
         return losses, [p.detach().clone() for p in model.parameters()], opt.state_dict()
     ref = run()
     sharded(mode="multi_layer")
@@ -260,12 +246,4 @@ def state_dict_on_one_rank(make):
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo", init_method=f"file://{INIT_FILE}", rank=RANK, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
-    torch.set_num_threads(1)
-    results = {"sharded": suite}[SUITE]()
-    torch.save(results, OUT)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    run_rank({"sharded": suite})

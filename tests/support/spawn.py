@@ -65,6 +65,30 @@ def site_packages():
     return Path(sysconfig.get_paths()["purelib"])
 
 
+def results_of_every_rank(worker, suite, tmp_path_factory, timeout, world):
+    """``spawn_ranks``, asserting that every rank exited 0 and saved its results; returns them."""
+    results, outputs, codes = spawn_ranks(worker, suite, tmp_path_factory, timeout, world)
+    assert codes == [0] * world and len(results) == world, "\n".join(outputs)
+    return results
+
+
+def run_rank(suites):
+    """A rank worker's whole run (``worker SUITE RANK INIT_FILE OUT WORLD``): join the gloo group,
+    run ``suites[SUITE]()``, save its results, wait for every rank, and leave without the
+    interpreter's teardown (a peer's gloo threads must not outlive the group)."""
+    import datetime
+    import torch.distributed as dist
+    suite, rank, init_file, out, world = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    torch.set_num_threads(1)
+    torch.save(suites[suite](), out)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def spawn_two_ranks(worker, suite, tmp_path_factory, timeout):
     """Ranks 0 and 1 of ``worker``'s ``suite``: ``spawn_ranks`` over two."""
     return spawn_ranks(worker, suite, tmp_path_factory, timeout, world=2)

@@ -131,7 +131,7 @@ class ShardedStep(MultiLayerStep):
         unsharded run holds, and the weights received after each step."""
         held = whole = per_step = 0
         for run in self.sharded:
-            for key, buf in run.flat_state.items():
+            for buf in run.flat_state.values():
                 held += buf.numel() * buf.element_size()
                 whole += run.numel * buf.element_size()
             per_step += (run.numel - (run.hi - run.lo)) * run.flat.element_size()
