@@ -17,18 +17,20 @@ interrupted the step on its own thread) would leave a step half fused. So each r
 
 A region is a frame on a thread's stack: a call of a function made one (``@IN_FLIGHT.region``) or
 of a function whose frames count (``count_frames_of``: torch's step wrapper, from before the
-step's hooks to after them). A toggle reads every thread's stack, so a step that raised, or a
-thread that ended, holds nothing back. A region costs its thread the read of one flag as it
+step's hooks to after them). A toggle reads every thread's stack (its own from its frames, the
+others' through ``thread_stacks.py``, which never touches their frames), so a step that raised, or
+a thread that ended, holds nothing back. A region costs its thread the read of one flag as it
 begins and one as it ends; locks and stacks are for the time a toggle is pending.
 """
 
 import contextlib
 import functools
-import gc
 import sys
 import threading
 import time
 import warnings
+
+from .thread_stacks import FunctionsOnStacks
 
 WAIT_SECONDS = 10.0
 _POLL = 0.05          # how often a waiting toggle reads the stacks again
@@ -40,6 +42,7 @@ class StepsInFlight:
         self._cond = threading.Condition(threading.Lock())
         self._local = threading.local()      # .busy: this thread holds (or takes) the lock
         self._codes = set()       # the code objects whose frames are regions
+        self._elsewhere = FunctionsOnStacks()    # the same, as other threads' stacks show them
         self._parked = set()      # threads waiting at a region's start for a toggle to run
         self._runner = None       # the thread running a toggle, or waiting to run one
         self._work = None         # (settled, reconcile) of the latest toggle
@@ -56,14 +59,16 @@ class StepsInFlight:
             finally:
                 if self.pending:
                     self.left()
-        self._codes.add(in_region.__code__)
+        self.count_frames_of(in_region.__code__)
         return in_region
 
     def count_frames_of(self, code):
         """Frames running ``code`` are regions; the code that runs in them calls ``entering()``
         (when ``pending``) once it can wait for a toggle, and ``left()`` (when ``pending``) at
         its end."""
-        self._codes.add(code)
+        if code not in self._codes:
+            self._codes.add(code)
+            self._elsewhere.add(code)
 
     def entering(self):
         """A toggle is pending as a region begins: with no other region open on this thread, wait
@@ -134,7 +139,7 @@ class StepsInFlight:
                     self._runner = me
                     self.pending = True
                 if self._runner == me:
-                    if self._quiet(me):
+                    if self._quiet():
                         return True
                     if not wait:
                         self._runner = None
@@ -154,21 +159,18 @@ class StepsInFlight:
                 self._cond.wait(min(left, _POLL))
 
     # -- stacks -----------------------------------------------------------------------------------
-    def _regions_on(self, frame):
-        n = 0
+    def _regions_here(self):
+        """How many regions are open on this thread's stack."""
+        n, frame = 0, sys._getframe(1)
         while frame is not None:
             n += frame.f_code in self._codes
             frame = frame.f_back
         return n
 
-    def _regions_here(self):
-        """How many regions are open on this thread's stack."""
-        return self._regions_on(sys._getframe(1))
-
-    def _quiet(self, me):
-        """No region open on another thread but those parked at a region's start. Under the lock."""
-        return not any(tid != me and tid not in self._parked and self._regions_on(frame)
-                       for tid, frame in _stacks().items())
+    def _quiet(self):
+        """No region open on another thread but those parked at a region's start (a thread whose
+        stack is too deep to read counts as open). Under the lock."""
+        return not any(n and tid not in self._parked for tid, n in self._elsewhere.count_by_thread().items())
 
     def _busy(self):
         return getattr(self._local, "busy", False)
@@ -183,19 +185,6 @@ class StepsInFlight:
                 yield
         finally:
             self._local.busy = False
-
-
-def _stacks():
-    """Every thread's innermost frame. The garbage collector is kept off meanwhile: CPython takes
-    its list of threads under a lock that freeing a ``threading.local`` takes again, and a
-    collection started by the frames this allocates would free one and hang the process."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        return sys._current_frames()
-    finally:
-        if collecting:
-            gc.enable()
 
 
 IN_FLIGHT = StepsInFlight()

@@ -1,0 +1,91 @@
+"""Which functions the other threads are in, read without touching their frames.
+
+Walking another thread's frames (``sys._current_frames()`` and ``f_back``) from Python can crash
+CPython 3.11 (a segmentation fault in ``PyFrame_GetBack`` while that thread pushes and pops
+frames between two of the walker's bytecodes; the sampling profilers of Sentry and Datadog hit
+the same), and can deadlock it against a ``threading.local`` being freed. ``faulthandler``
+instead writes every thread's stack from C in one go, holding the interpreter's lock throughout:
+the stacks are read from that text. It shows the innermost ``faulthandler`` limit of frames
+(100) of each thread; a thread with more is reported with its count unknown.
+"""
+
+import faulthandler
+import os
+import re
+import tempfile
+import threading
+
+UNKNOWN = float("inf")      # a thread's stack went past what faulthandler shows
+
+_HEADER = re.compile(r"(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
+_FRAME = re.compile(r'  File "(.*)", line (\S+) in (.*)')
+_TRUNCATED = "  ..."
+
+
+class FunctionsOnStacks:
+    """Counts, per other thread, the frames running any of the functions given."""
+
+    def __init__(self):
+        self._where = {}            # (file, name) as faulthandler writes them -> their line numbers
+        self._lock = threading.Lock()
+        self._file = None
+
+    def add(self, code):
+        lines = {line for _, _, line in code.co_lines() if line is not None} | {code.co_firstlineno}
+        self._where.setdefault((_as_written(code.co_filename), _as_written(code.co_name)), set()).update(lines)
+
+    def count_by_thread(self):
+        """{thread ident: how many frames of the functions its stack holds (``UNKNOWN`` when its
+        stack is deeper than shown and none were seen)} for every thread but the caller."""
+        with self._lock:
+            if self._file is None:
+                self._file = _scratch_file()
+            self._file.seek(0)
+            self._file.truncate()
+            faulthandler.dump_traceback(self._file, all_threads=True)
+            self._file.seek(0)
+            text = self._file.read().decode("ascii", "replace")
+        me, counts, tid = threading.get_ident(), {}, None
+        for line in text.splitlines():
+            header = _HEADER.match(line)
+            if header:
+                tid = int(header.group(1), 16)
+                counts[tid] = 0
+            elif tid is None:
+                continue
+            elif line == _TRUNCATED:
+                counts[tid] = counts[tid] or UNKNOWN
+            else:
+                frame = _FRAME.match(line)
+                if frame and self._runs(*frame.groups()):
+                    counts[tid] += 1
+        if counts.pop(me, None) is None:       # the text was cut short (the file could not take it)
+            return {t.ident: UNKNOWN for t in threading.enumerate() if t.ident != me}
+        return counts
+
+    def _runs(self, file, line, name):
+        lines = self._where.get((file, name))
+        return lines is not None and (not line.isdigit() or int(line) in lines)
+
+
+def _scratch_file():
+    """A file in memory where the system has them (a full disk cannot cut the text short)."""
+    if hasattr(os, "memfd_create"):
+        return open(os.memfd_create("autopatch-stacks"), "w+b")
+    return tempfile.TemporaryFile()
+
+
+def _as_written(text):
+    """``text`` as faulthandler writes it: printable ASCII as is, anything else escaped."""
+    out = []
+    for ch in text[:500]:
+        n = ord(ch)
+        if 32 <= n < 127:
+            out.append(ch)
+        elif n <= 0xff:
+            out.append(f"\\x{n:02x}")
+        elif n <= 0xffff:
+            out.append(f"\\u{n:04x}")
+        else:
+            out.append(f"\\U{n:08x}")
+    return "".join(out) + ("..." if len(text) > 500 else "")
