@@ -5,8 +5,8 @@ CPython 3.11 (a segmentation fault in ``PyFrame_GetBack`` while that thread push
 frames between two of the walker's bytecodes; the sampling profilers of Sentry and Datadog hit
 the same), and can deadlock it against a ``threading.local`` being freed. ``faulthandler``
 instead writes every thread's stack from C in one go, holding the interpreter's lock throughout:
-the stacks are read from that text. It shows the innermost ``faulthandler`` limit of frames
-(100) of each thread; a thread with more is reported with its count unknown.
+the stacks are read from that text. It shows the innermost 100 frames of each thread and 100
+threads; a thread with more frames, or one past those threads, is reported with its count unknown.
 """
 
 import faulthandler
@@ -19,7 +19,8 @@ UNKNOWN = float("inf")      # a thread's stack went past what faulthandler shows
 
 _HEADER = re.compile(r"(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'  File "(.*)", line (\S+) in (.*)')
-_TRUNCATED = "  ..."
+_TRUNCATED = "  ..."           # a thread's frames past those shown
+_MORE_THREADS = "..."          # threads past those shown
 
 
 class FunctionsOnStacks:
@@ -31,6 +32,7 @@ class FunctionsOnStacks:
         self._file = None
 
     def add(self, code):
+        """Count the frames running ``code`` (matched by file, name and line, as written)."""
         lines = {line for _, _, line in code.co_lines() if line is not None} | {code.co_firstlineno}
         self._where.setdefault((_as_written(code.co_filename), _as_written(code.co_name)), set()).update(lines)
 
@@ -45,12 +47,14 @@ class FunctionsOnStacks:
             faulthandler.dump_traceback(self._file, all_threads=True)
             self._file.seek(0)
             text = self._file.read().decode("ascii", "replace")
-        me, counts, tid = threading.get_ident(), {}, None
+        me, counts, tid, cut = threading.get_ident(), {}, None, False
         for line in text.splitlines():
             header = _HEADER.match(line)
             if header:
                 tid = int(header.group(1), 16)
                 counts[tid] = 0
+            elif line == _MORE_THREADS:
+                cut = True
             elif tid is None:
                 continue
             elif line == _TRUNCATED:
@@ -59,8 +63,11 @@ class FunctionsOnStacks:
                 frame = _FRAME.match(line)
                 if frame and self._runs(*frame.groups()):
                     counts[tid] += 1
-        if counts.pop(me, None) is None:       # the text was cut short (the file could not take it)
-            return {t.ident: UNKNOWN for t in threading.enumerate() if t.ident != me}
+        if counts.get(me) is None:       # the text was cut short (the file could not take it)
+            cut = True
+        if cut:
+            counts.update((t.ident, UNKNOWN) for t in threading.enumerate() if t.ident not in counts)
+        counts.pop(me, None)
         return counts
 
     def _runs(self, file, line, name):
