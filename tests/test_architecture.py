@@ -21,7 +21,7 @@ from spawn import ROOT
 PACKAGE = ROOT / "autopatch"
 TORCH_INTERNALS = PACKAGE / "torch_internals.py"
 # What the standard library or a library's documented convention names with an underscore.
-ALLOWED = {"os._exit", "sys._getframe", "sys._current_frames"}
+ALLOWED = {"os._exit", "sys._getframe"}
 ALLOWED_PREFIXES = ("_self_",)      # wrapt's ObjectProxy keeps its own attributes under this prefix
 MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 250               # from the ``class`` line to its last statement
