@@ -28,6 +28,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .chunk_grads import ChunkGrads
+from .freed_heap import HeapRelease
 from .sharding.shares import cut_shares
 
 _covered = WeakIdKeyDictionary()     # a live chunk -> the parameters it spans
@@ -241,49 +242,71 @@ class FlatRun:
         """After chunks stepped: make per-parameter state agree with those chunks' state.
 
         ``state_of(param)`` gives the optimizer's state dict of a parameter. Returns a reason
-        string when a chunk's state cannot be expressed per parameter.
+        string when a chunk's state cannot be expressed per parameter. The first step's chunk
+        state (made by the optimizer) moves into one flat buffer per key, key by key, each chunk's
+        tensor let go as it is copied and its heap handed back (``freed_heap.py``), so the state
+        exists twice for no more than a batch.
         """
-        for ci in range(len(self.chunks)) if chunk_ids is None else chunk_ids:
-            why = self._sync_chunk(ci, state_of)
-            if why:
-                return why
+        ids = range(len(self.chunks)) if chunk_ids is None else chunk_ids
+        keys = {}
+        for ci in ids:
+            s, e = self.chunk_bounds[ci]
+            c = self.chunks[ci]
+            if c.data_ptr() != self.flat[s:e].data_ptr():   # the optimizer replaced p.data
+                self.flat[s:e].copy_(c.data)
+                c.data = self.flat[s:e]
+            keys.update(dict.fromkeys(self.chunk_states[ci]))
+        # Chunks that fill the buffer write every element of it: its pages are then touched only
+        # as each chunk's state arrives, not all at once before any is let go.
+        covered = sum(self.chunk_bounds[ci][1] - self.chunk_bounds[ci][0] for ci in ids) == self.hi - self.lo
+        make = torch.empty if covered else torch.zeros
+        heap = HeapRelease()
+        for key in keys:
+            for ci in ids:
+                cs = self.chunk_states[ci]
+                if key not in cs:
+                    continue
+                before = cs[key]
+                why = self._sync_value(ci, key, state_of, make)
+                if why:
+                    return why
+                if cs[key] is not before:           # copied into the flat buffer
+                    nbytes = before.nbytes
+                    del before
+                    heap.moved(nbytes)
+        heap.done()
         return None
 
-    def _sync_chunk(self, ci, state_of):
+    def _sync_value(self, ci, key, state_of, make):
         cs, (s, e), (i0, i1) = self.chunk_states[ci], self.chunk_bounds[ci], self.chunk_spans[ci]
-        c = self.chunks[ci]
-        if c.data_ptr() != self.flat[s:e].data_ptr():   # the optimizer replaced p.data
-            self.flat[s:e].copy_(c.data)
-            c.data = self.flat[s:e]
-        known = self.chunk_keys[ci]
-        for key, v in cs.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                if v.shape != (e - s,):
-                    return f"state '{key}' is not elementwise (shape differs from the chunk)"
-                flat = self.flat_state.get(key)
-                if flat is None:
-                    flat = self.flat_state[key] = torch.zeros(self.hi - self.lo, dtype=v.dtype, device=v.device)
-                mine = flat[s - self.lo:e - self.lo]
-                if v.data_ptr() != mine.data_ptr():       # created lazily, or replaced
-                    mine.copy_(v)
-                    cs[key] = mine
-                if key not in known:
-                    for i in filter(self.holds, range(i0, i1)):
-                        state_of(self.params[i])[key] = self._state_view(flat, i)
-            elif isinstance(v, torch.Tensor):
-                buf = self.scalar_state.get(key)
-                if buf is None:
-                    buf = self.scalar_state[key] = v.detach().reshape(1).repeat(len(self.params))
-                buf[i0:i1].copy_(v.expand(i1 - i0))
-                if key not in known:
-                    for i in filter(self.holds, range(i0, i1)):
-                        state_of(self.params[i])[key] = buf[i]
-            else:
+        known, v = self.chunk_keys[ci], cs[key]
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if v.shape != (e - s,):
+                return f"state '{key}' is not elementwise (shape differs from the chunk)"
+            flat = self.flat_state.get(key)
+            if flat is None:
+                flat = self.flat_state[key] = make(self.hi - self.lo, dtype=v.dtype, device=v.device)
+            mine = flat[s - self.lo:e - self.lo]
+            if v.data_ptr() != mine.data_ptr():       # created lazily, or replaced
+                mine.copy_(v)
+                cs[key] = mine
+            if key not in known:
                 for i in filter(self.holds, range(i0, i1)):
-                    st = state_of(self.params[i])
-                    if st.get(key, cs) is not v:
-                        st[key] = v
-            known.add(key)
+                    state_of(self.params[i])[key] = self._state_view(flat, i)
+        elif isinstance(v, torch.Tensor):
+            buf = self.scalar_state.get(key)
+            if buf is None:
+                buf = self.scalar_state[key] = v.detach().reshape(1).repeat(len(self.params))
+            buf[i0:i1].copy_(v.expand(i1 - i0))
+            if key not in known:
+                for i in filter(self.holds, range(i0, i1)):
+                    state_of(self.params[i])[key] = buf[i]
+        else:
+            for i in filter(self.holds, range(i0, i1)):
+                st = state_of(self.params[i])
+                if st.get(key, cs) is not v:
+                    st[key] = v
+        known.add(key)
         return None
 
     def is_intact(self):
