@@ -30,6 +30,7 @@ class FunctionsOnStacks:
         self._where = {}            # (file, name) as faulthandler writes them -> their line numbers
         self._lock = threading.Lock()
         self._file = None
+        self._pid = None            # the process the file was made in: a forked child makes its own
 
     def add(self, code):
         """Count the frames running ``code`` (matched by file, name and line, as written)."""
@@ -40,8 +41,8 @@ class FunctionsOnStacks:
         """{thread ident: how many frames of the functions its stack holds (``UNKNOWN`` when its
         stack is deeper than shown and none were seen)} for every thread but the caller."""
         with self._lock:
-            if self._file is None:
-                self._file = _scratch_file()
+            if self._pid != os.getpid():
+                self._file, self._pid = _scratch_file(), os.getpid()
             self._file.seek(0)
             self._file.truncate()
             faulthandler.dump_traceback(self._file, all_threads=True)
