@@ -84,16 +84,7 @@ def _scratch_file():
 
 
 def _as_written(text):
-    """``text`` as faulthandler writes it: printable ASCII as is, anything else escaped."""
-    out = []
-    for ch in text[:500]:
-        n = ord(ch)
-        if 32 <= n < 127:
-            out.append(ch)
-        elif n <= 0xff:
-            out.append(f"\\x{n:02x}")
-        elif n <= 0xffff:
-            out.append(f"\\u{n:04x}")
-        else:
-            out.append(f"\\U{n:08x}")
-    return "".join(out) + ("..." if len(text) > 500 else "")
+    """``text`` as faulthandler writes it: ASCII as is, anything else escaped as Python escapes it
+    (faulthandler escapes control characters too, which no file or function name here holds),
+    cut at 500 characters."""
+    return text[:500].encode("ascii", "backslashreplace").decode() + ("..." if len(text) > 500 else "")

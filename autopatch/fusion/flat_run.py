@@ -116,6 +116,7 @@ class FlatRun:
         self.chunk_keys = [set() for _ in self.chunks]   # state keys already mirrored per param
         self.flat_state = {}       # key -> flat tensor (full-size state; elements lo to hi when sharded)
         self.scalar_state = {}     # key -> 1-D buffer, element i is parameter i's 0-dim value
+        self.heap = HeapRelease()  # the chunk state moved into flat_state, to hand back to the system
         self._adopt_state(states)
 
     def _aligned_bounds(self, chunk_elems):
@@ -243,70 +244,62 @@ class FlatRun:
 
         ``state_of(param)`` gives the optimizer's state dict of a parameter. Returns a reason
         string when a chunk's state cannot be expressed per parameter. The first step's chunk
-        state (made by the optimizer) moves into one flat buffer per key, key by key, each chunk's
-        tensor let go as it is copied and its heap handed back (``freed_heap.py``), so the state
-        exists twice for no more than a batch.
+        state (made by the optimizer) moves into flat buffers, each chunk's let go as it is copied
+        and the heap it lay on handed back (``freed_heap.py``): the state exists twice for no
+        more than a batch.
         """
         ids = range(len(self.chunks)) if chunk_ids is None else chunk_ids
-        keys = {}
         for ci in ids:
-            s, e = self.chunk_bounds[ci]
-            c = self.chunks[ci]
-            if c.data_ptr() != self.flat[s:e].data_ptr():   # the optimizer replaced p.data
-                self.flat[s:e].copy_(c.data)
-                c.data = self.flat[s:e]
-            keys.update(dict.fromkeys(self.chunk_states[ci]))
-        # Chunks that fill the buffer write every element of it: its pages are then touched only
-        # as each chunk's state arrives, not all at once before any is let go.
-        covered = sum(self.chunk_bounds[ci][1] - self.chunk_bounds[ci][0] for ci in ids) == self.hi - self.lo
-        make = torch.empty if covered else torch.zeros
-        heap = HeapRelease()
-        for key in keys:
-            for ci in ids:
-                cs = self.chunk_states[ci]
-                if key not in cs:
-                    continue
-                before = cs[key]
-                why = self._sync_value(ci, key, state_of, make)
-                if why:
-                    return why
-                if cs[key] is not before:           # copied into the flat buffer
-                    nbytes = before.nbytes
-                    del before
-                    heap.moved(nbytes)
-        heap.done()
+            why = self._sync_chunk(ci, state_of, ids)
+            if why:
+                return why
+        if self.heap.pending:
+            self.heap.done()
         return None
 
-    def _sync_value(self, ci, key, state_of, make):
+    def _new_state_buffer(self, chunk_ids, like):
+        """A flat buffer for a state key: unfilled when the chunks being synced cover it (each
+        writes its part, so its pages are touched only as the chunks' state arrives), else zeros."""
+        covered = sum(self.chunk_bounds[ci][1] - self.chunk_bounds[ci][0] for ci in chunk_ids) == self.hi - self.lo
+        make = torch.empty if covered else torch.zeros
+        return make(self.hi - self.lo, dtype=like.dtype, device=like.device)
+
+    def _sync_chunk(self, ci, state_of, chunk_ids):
         cs, (s, e), (i0, i1) = self.chunk_states[ci], self.chunk_bounds[ci], self.chunk_spans[ci]
-        known, v = self.chunk_keys[ci], cs[key]
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            if v.shape != (e - s,):
-                return f"state '{key}' is not elementwise (shape differs from the chunk)"
-            flat = self.flat_state.get(key)
-            if flat is None:
-                flat = self.flat_state[key] = make(self.hi - self.lo, dtype=v.dtype, device=v.device)
-            mine = flat[s - self.lo:e - self.lo]
-            if v.data_ptr() != mine.data_ptr():       # created lazily, or replaced
-                mine.copy_(v)
-                cs[key] = mine
-            if key not in known:
+        c = self.chunks[ci]
+        if c.data_ptr() != self.flat[s:e].data_ptr():   # the optimizer replaced p.data
+            self.flat[s:e].copy_(c.data)
+            c.data = self.flat[s:e]
+        known = self.chunk_keys[ci]
+        for key, v in cs.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                if v.shape != (e - s,):
+                    return f"state '{key}' is not elementwise (shape differs from the chunk)"
+                flat = self.flat_state.get(key)
+                if flat is None:
+                    flat = self.flat_state[key] = self._new_state_buffer(chunk_ids, v)
+                mine = flat[s - self.lo:e - self.lo]
+                if v.data_ptr() != mine.data_ptr():       # created lazily, or replaced
+                    mine.copy_(v)
+                    cs[key] = mine
+                    self.heap.moved(v.nbytes)
+                if key not in known:
+                    for i in filter(self.holds, range(i0, i1)):
+                        state_of(self.params[i])[key] = self._state_view(flat, i)
+            elif isinstance(v, torch.Tensor):
+                buf = self.scalar_state.get(key)
+                if buf is None:
+                    buf = self.scalar_state[key] = v.detach().reshape(1).repeat(len(self.params))
+                buf[i0:i1].copy_(v.expand(i1 - i0))
+                if key not in known:
+                    for i in filter(self.holds, range(i0, i1)):
+                        state_of(self.params[i])[key] = buf[i]
+            else:
                 for i in filter(self.holds, range(i0, i1)):
-                    state_of(self.params[i])[key] = self._state_view(flat, i)
-        elif isinstance(v, torch.Tensor):
-            buf = self.scalar_state.get(key)
-            if buf is None:
-                buf = self.scalar_state[key] = v.detach().reshape(1).repeat(len(self.params))
-            buf[i0:i1].copy_(v.expand(i1 - i0))
-            if key not in known:
-                for i in filter(self.holds, range(i0, i1)):
-                    state_of(self.params[i])[key] = buf[i]
-        else:
-            for i in filter(self.holds, range(i0, i1)):
-                st = state_of(self.params[i])
-                if st.get(key, cs) is not v:
-                    st[key] = v
-        known.add(key)
+                    st = state_of(self.params[i])
+                    if st.get(key, cs) is not v:
+                        st[key] = v
+            known.add(key)
         return None
 
     def is_intact(self):

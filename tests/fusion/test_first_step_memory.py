@@ -44,9 +44,9 @@ def peak_mib(mode):
     return int(out.stdout.split()[-1])
 
 
-@pytest.mark.parametrize("mode", ["multi_layer"])
-def test_the_first_fused_step_peaks_no_higher_than_unpatched(mode):
+def test_the_first_fused_step_peaks_no_higher_than_unpatched():
     """80 MiB of parameters, AdamW (160 MiB of state): unpatched peaks about 285 MiB above the
     built model on this machine; multi_layer peaked 414 MiB while a moved state stayed resident."""
-    unpatched, patched = peak_mib("off"), peak_mib(mode)
+    unpatched, patched = peak_mib("off"), peak_mib("multi_layer")
+    print(f"peak resident memory above the built model: unpatched {unpatched} MiB, multi_layer {patched} MiB")
     assert patched <= unpatched + 8, (unpatched, patched)
