@@ -136,9 +136,13 @@ class Runtime:
         return note_collectives(section, optimizers)
 
     def _before_step(self, opt, args, kwargs):
-        """An optimizer built before enable() is adopted as its first step since begins."""
+        """An optimizer built before enable() is adopted as its first step since begins. The step
+        is a region already (steps_in_flight.py) but nothing has waited for a pending toggle yet:
+        this waits here, so that an adoption never runs beside a disable()."""
         ctrl = self._by_id.get(id(opt))
         if ctrl is None or ctrl.optimizer is not opt:    # controller_of(), inline: every step runs it
+            if IN_FLIGHT.pending:
+                IN_FLIGHT.entering()
             self.taken_in(opt)
 
     def taken_in(self, opt):
