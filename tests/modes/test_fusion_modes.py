@@ -394,9 +394,9 @@ def test_auto_measures_each_mode_the_watch_allows_and_reports_the_figures():
 def test_auto_keeps_off_when_fusion_is_clearly_slower():
     """1 KiB chunks cut every 128 x 128 weight into 64 chunks: about 600 tiny updates a step
     instead of one pass over 18 tensors, an order of magnitude slower than unpatched, so auto
-    must keep off, and drop multi_layer within a few rounds (of 4 steps here) unless the machine
-    is so busy that one step's time varies by more than the whole difference (other test
-    processes beside this one): a log-time noise of 1 hides a 2.7x difference over 5 rounds."""
+    must keep off: multi_layer dropped as slower, or judged at the end of the measuring budget
+    when the machine is so busy that one step's time varies by more than the whole difference.
+    How many rounds that takes is a speed, measured by benchmarks, not asserted here."""
     data = batches(60, width=128)
     ref = reference(data, model=mlp(width=128, depth=8))
     got, entry, _ = patched(data, model=mlp(width=128, depth=8), mode="auto", chunk_bytes=1024,
@@ -406,7 +406,6 @@ def test_auto_keeps_off_when_fusion_is_clearly_slower():
     assert entry["mode"] == auto["chosen"] == "off", entry["reason"]
     assert "no mode was faster than unpatched" in entry["reason"]
     assert set(auto["ms_per_step"]) == {"off", "multi_layer"}
-    assert auto["rounds"] <= 5 or auto["noise"] > 1.0, auto
     dropped = auto["dropped"].get("multi_layer", {}).get("why", "")
     # dropped as slower, or kept to the end of the measuring budget and then judged
     assert dropped.startswith(("not faster", "slower")) or auto["measure_steps"] >= auto["measure_steps_limit"] \
