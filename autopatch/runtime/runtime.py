@@ -136,13 +136,17 @@ class Runtime:
         return note_collectives(section, optimizers)
 
     def _before_step(self, opt, args, kwargs):
-        """An optimizer built before enable() is adopted as its first step since begins. The step
-        is a region already (steps_in_flight.py) but nothing has waited for a pending toggle yet:
-        this waits here, so that an adoption never runs beside a disable()."""
+        """An optimizer built before enable() is adopted as its first step since begins.
+
+        The step is a region already (steps_in_flight.py), and a pending toggle is waited for
+        here, first: an adoption never runs beside a disable(), and a toggle that removes the
+        optimizer's own step hooks does so before torch iterates them (removing one while torch
+        iterates them, with a hook of the program's after it, would end that step in
+        'OrderedDict mutated during iteration')."""
+        if IN_FLIGHT.pending:
+            IN_FLIGHT.entering()
         ctrl = self._by_id.get(id(opt))
         if ctrl is None or ctrl.optimizer is not opt:    # controller_of(), inline: every step runs it
-            if IN_FLIGHT.pending:
-                IN_FLIGHT.entering()
             self.taken_in(opt)
 
     def taken_in(self, opt):

@@ -242,3 +242,43 @@ def test_a_step_that_raised_holds_no_toggle_back(ap, where):
     assert time.monotonic() - started < 1
     assert LEDGER.installed() == {}
     assert_no_hooks(opt, model)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_toggle_while_a_step_begins_leaves_the_programs_own_step_hooks_working(ap, mode):
+    """The program has step pre-hooks of its own on the optimizer (registered after autopatch's)
+    and a global one (registered before autopatch's). Another thread's disable() comes while a
+    step has begun but not yet reached autopatch's hooks: the step waits for it, then goes on
+    through the program's hooks, which run, and trains as unpatched."""
+    import torch.optim.optimizer as optimizer_module
+    steps, at = 12, 6
+    plain = unpatched(steps)
+    before = originals()
+    calls, begun, failed = [], threading.Event(), []
+
+    def before_any_step(opt_, args, kwargs):
+        if len(calls) == at:
+            begun.set()
+            time.sleep(0.3)      # the other thread's disable() is pending by now
+    global_handle = optimizer_module.register_optimizer_step_pre_hook(before_any_step)
+    try:
+        ap.enable(mode=mode)
+        model, opt = job()
+        own_handle = opt.register_step_pre_hook(lambda *_: calls.append(1))
+
+        def training():
+            try:
+                train(model, opt, steps)
+            except BaseException:
+                failed.append(traceback.format_exc())
+        trainer = threading.Thread(target=training)
+        trainer.start()
+        assert begun.wait(60)
+        ap.disable()
+        trainer.join(60)
+        own_handle.remove()
+    finally:
+        global_handle.remove()
+    assert not failed, failed[0]
+    assert len(calls) == steps
+    assert_as_unpatched(model, opt, plain, before)
