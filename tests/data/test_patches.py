@@ -225,7 +225,7 @@ def test_cached_samples_are_what_the_loader_loads_where_it_runs(tmp_path, instal
     number of threads: cold and warm epochs through 2 workers, and a loader without workers on
     the same cache, each equal to its unpatched run bit for bit."""
     policy = policy_for(tmp_path, tmp_path / "cache")
-    common = ["--dataset", "ThreadSensitive", "--n", "32", "--threads", "4"]
+    common = ["--dataset", "ThreadSensitive", "--n", "32", "--threads", "2"]
     plain = run_job(tmp_path / "plain.pt", *common)
     plain_main = run_job(tmp_path / "plain0.pt", *common, "--workers", "0")
     assert not same_batches(plain, plain_main)   # the dataset really depends on where it loads

@@ -1,8 +1,8 @@
 """A rank that raises, or is SIGKILLed, mid-training ends the whole torchrun job, under every
 communication algorithm as under plain DDP: no other rank trains on to its last step alone, and
-nothing of autopatch is left behind (no process, no autopatch-* in the temp dir). One job per
-algorithm and fault (one fault for the variants bytegrad and low_precision_decentralized,
-``torchrun_job.cases``), run three at a time; the fault comes at step 20 of 500."""
+nothing of autopatch is left behind (no process, no autopatch-* in the temp dir). Plain DDP
+meets both faults, each algorithm one of them (``torchrun_job.cases``), three jobs at a time; the
+fault comes at step 20 of 500."""
 
 import pytest
 

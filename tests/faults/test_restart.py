@@ -1,9 +1,9 @@
 """``torchrun --max-restarts=1`` with a worker SIGKILLed once: the restarted workers resume from
 the script's own checkpoint (model and optimizer state_dicts, saved every 5 steps) and end with
-the same weights as an uninterrupted run, bit for bit, under plain DDP, the default policy, and
-autotune with 50 ms trials, so that trials run before and after the kill (autotune keeps nothing
-across the restart: the restarted workers search again, and every mode they try gives the same
-results).
+the same weights as an uninterrupted plain DDP run, bit for bit, under plain DDP, the default
+policy, and autotune with 50 ms trials, so that trials run before and after the kill (autotune
+keeps nothing across the restart: the restarted workers search again, and every mode they try
+gives the same results).
 
 torch 2.13's torchrun shares its own TCPStore with the workers of every attempt, and the gloo
 addresses the first attempt left in it make the restarted workers connect to ranks long gone
@@ -23,7 +23,7 @@ def jobs(tmp_path_factory):
     root = tmp_path_factory.mktemp("restart")
     jobs = {}
     for c in CONTENDERS:
-        for killed in (False, True):
+        for killed in (False, True) if c == "ddp" else (True,):
             out = root / f"{c}-{'killed' if killed else 'whole'}"
             jobs[c, killed] = (c, out, dict(fault="kill" if killed else "none", fault_rank=1, fault_step=42, steps=60,
                                             restarts=1, FAULT_CHECKPOINT=out / "checkpoint.pt", FAULT_EVERY=5,
@@ -33,7 +33,7 @@ def jobs(tmp_path_factory):
 
 @pytest.mark.parametrize("contender", CONTENDERS)
 def test_a_restarted_job_ends_as_an_uninterrupted_one(jobs, contender):
-    whole, killed = jobs[contender, False], jobs[contender, True]
+    whole, killed = jobs["ddp", False], jobs[contender, True]
     assert whole.returncode == 0 and killed.returncode == 0, killed.log[-3000:]
     assert "(exitcode: -9)" in killed.log, killed.log[-3000:]     # killed once, then restarted
     for rank in (0, 1):

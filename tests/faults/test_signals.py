@@ -1,9 +1,9 @@
 """SIGTERM or SIGINT sent to a torchrun job mid-step ends it, under every communication algorithm
 as under plain DDP: torchrun passes the signal on, the script's own handler (when it has one)
-runs on every rank, and nothing of autopatch is left behind. Each contender gets SIGTERM with
-the script's handler and SIGINT without (the variants bytegrad and low_precision_decentralized
-one of them, ``torchrun_job.cases``); async, whose exit waits for the other ranks unless the
-script died of an exception, also gets the other two."""
+runs on every rank, and nothing of autopatch is left behind. Plain DDP gets SIGTERM with the
+script's handler and SIGINT without, each algorithm one of the two (``torchrun_job.cases``);
+async, whose exit waits for the other ranks unless the script died of an exception, gets all
+four."""
 
 import signal
 
@@ -12,7 +12,8 @@ import pytest
 from torchrun_job import cases, run_all
 
 CASES = [(c, s, h) for c, (s, h) in cases(((signal.SIGTERM, True), (signal.SIGINT, False)))]
-CASES += [("async", signal.SIGINT, True), ("async", signal.SIGTERM, False)]
+CASES += [("async", s, h) for s in (signal.SIGTERM, signal.SIGINT) for h in (True, False)
+          if ("async", s, h) not in CASES]
 
 
 @pytest.fixture(scope="module")

@@ -23,17 +23,17 @@ from spawn import IMPORT_PATH, SUPPORT, patience, short_temp_dir
 SCRIPT = SUPPORT / "fault_job.py"
 CONTENDERS = ("ddp", "gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "async",
               "qadam")
-# bytegrad runs gradient_allreduce's code and low_precision_decentralized decentralized's with the
-# bytes encoded otherwise (the same threads, exchanges and exits): a fault test whose every case
-# costs a torchrun job gives each variant one case of its two, a different one for each, so both
-# kinds still meet both encodings.
+# A fault test whose every case costs a torchrun job gives plain DDP both of its two kinds and each
+# algorithm one, in turn: bytegrad runs gradient_allreduce's code and low_precision_decentralized
+# decentralized's with the bytes encoded otherwise (the same threads, exchanges and exits), so each
+# kind still meets both families and both encodings.
 
 
 def cases(kinds):
-    """(contender, kind) for every contender and each of the two ``kinds``, but one kind for a
-    variant: the second for bytegrad, the first for low_precision_decentralized."""
-    one = {"bytegrad": kinds[1], "low_precision_decentralized": kinds[0]}
-    return [(c, k) for c in CONTENDERS for k in kinds if c not in one or k == one[c]]
+    """(contender, kind): plain DDP with each of the two ``kinds``, every algorithm with one of
+    them, the first and the second in turn (see ``CONTENDERS``)."""
+    algorithms = [c for c in CONTENDERS if c != "ddp"]
+    return [("ddp", k) for k in kinds] + [(c, kinds[i % 2]) for i, c in enumerate(algorithms)]
 
 
 @dataclass
