@@ -57,6 +57,15 @@ def test_checkpoints_move_between_sharded_and_unpatched_runs(sharded):
         assert res["unpatched_to_sharded"]["shard"]["active"] is True
 
 
+def test_distributed_checkpoint_saves_and_loads_sharded_state_both_ways(sharded):
+    """dcp.save of a sharded run resumed unpatched, and an unpatched save resumed sharded, each
+    equal to the same resume unpatched on both sides (a resumed DDP model's first buckets are not
+    a running one's, so the reference resumes too)."""
+    world, results = sharded
+    for rank, res in results.items():
+        assert res["distributed_checkpoint"] == {"save": None, "load": None}, (world, rank, res["distributed_checkpoint"])
+
+
 def test_disable_mid_run_hands_the_whole_state_back(sharded):
     world, results = sharded
     for rank, res in results.items():

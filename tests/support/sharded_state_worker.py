@@ -3,7 +3,8 @@
 A user's DDP script (6 steps, data drawn from (rank, step)) runs unpatched, then with
 ``fusion.shard: true`` under mode multi_layer and auto; checkpoints move from a sharded run to an
 unpatched one and back, ``disable()`` mid-run hands the whole state back, a new chunk size mid-run
-shards it again, and a Join context ends sharding. Each rank saves
+shards it again, a Join context ends sharding, and ``torch.distributed.checkpoint`` saves and loads
+sharded state both ways. Each rank saves
 whether losses, weights and ``state_dict()`` equal the unpatched run's bit for bit, and what the
 report said.
 """
@@ -154,6 +155,7 @@ def suite():
     res["join"] = join_uneven(adamw)
     res["backward_named"] = backward_named(adamw)
     res["refused"] = refused()
+    res["distributed_checkpoint"] = distributed_checkpoint(adamw)
     res["state_dict_on_one_rank"] = state_dict_on_one_rank(adamw)
     return res
 
@@ -221,6 +223,60 @@ def refused():
             out[name] = dict(report_of(), differs=differs(got, ref))
         finally:
             autopatch.disable()
+    return out
+
+
+def distributed_checkpoint(make):
+    """``torch.distributed.checkpoint`` as its docs use it with DDP (``get_state_dict``,
+    ``dcp.save``; ``dcp.load``, ``set_state_dict``, every rank), half a run saved and the other
+    half resumed, with the sharded run on either side: {side: None or how it differs from the
+    same resume unpatched on both}."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def half(sharded_here, steps, folder, load):
+        """Train ``steps`` (after loading the checkpoint in ``folder`` when ``load``, else saving
+        one there after them); returns the run and whether its state was sharded."""
+        if sharded_here:
+            sharded(mode="multi_layer")
+        try:
+            model = nn.parallel.DistributedDataParallel(net())
+            opt = make(model.parameters())
+            if load:
+                model_sd, opt_sd = get_state_dict(model, opt)
+                dcp.load({"model": model_sd, "optim": opt_sd}, checkpoint_id=folder)
+                set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=opt_sd)
+            losses = [train_step(model, opt, step) for step in steps]
+            if not load:
+                model_sd, opt_sd = get_state_dict(model, opt)
+                dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=folder)
+            active = report_of()["shard"]["active"] if sharded_here else False
+            return (losses, [p.detach().clone() for p in model.parameters()], opt.state_dict()), active
+        finally:
+            autopatch.disable()
+
+    def resume(side):
+        folder = [tempfile.mkdtemp(prefix="dcp-") if RANK == 0 else None]
+        dist.broadcast_object_list(folder)
+        try:
+            first, saved_sharded = half(side == "save", range(HALF), folder[0], load=False)
+            second, loaded_sharded = half(side == "load", range(HALF, STEPS), folder[0], load=True)
+        finally:
+            dist.barrier()
+            if RANK == 0:
+                shutil.rmtree(folder[0], ignore_errors=True)
+        return (first[0] + second[0], *second[1:]), (saved_sharded, loaded_sharded)
+
+    ref, _ = resume(None)
+    out = {}
+    for side in ("save", "load"):
+        got, sharded_sides = resume(side)
+        out[side] = differs(got, ref)
+        if sharded_sides != (side == "save", side == "load"):
+            out[side] = f"sharding was not active where asked: (save, load) {sharded_sides}"
     return out
 
 
