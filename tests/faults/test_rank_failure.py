@@ -1,7 +1,8 @@
 """A rank that raises, or is SIGKILLed, mid-training ends the whole torchrun job, under every
 communication algorithm as under plain DDP: no other rank trains on to its last step alone, and
 nothing of autopatch is left behind (no process, no autopatch-* in the temp dir). Plain DDP
-meets both faults, each algorithm one of them (``torchrun_job.cases``), three jobs at a time; the
+meets both faults, each algorithm one of them (``torchrun_job.cases``: not the encoding
+variants, which run their base algorithm's code), three jobs at a time; the
 fault comes at step 20 of 500."""
 
 import pytest

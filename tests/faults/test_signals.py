@@ -1,7 +1,8 @@
 """SIGTERM or SIGINT sent to a torchrun job mid-step ends it, under every communication algorithm
 as under plain DDP: torchrun passes the signal on, the script's own handler (when it has one)
 runs on every rank, and nothing of autopatch is left behind. Plain DDP gets SIGTERM with the
-script's handler and SIGINT without, each algorithm one of the two (``torchrun_job.cases``);
+script's handler and SIGINT without, each algorithm one of the two (``torchrun_job.cases``: not
+the encoding variants, which run their base algorithm's code);
 async, whose exit waits for the other ranks unless the script died of an exception, gets all
 four."""
 

@@ -24,15 +24,16 @@ SCRIPT = SUPPORT / "fault_job.py"
 CONTENDERS = ("ddp", "gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "async",
               "qadam")
 # A fault test whose every case costs a torchrun job gives plain DDP both of its two kinds and each
-# algorithm one, in turn: bytegrad runs gradient_allreduce's code and low_precision_decentralized
-# decentralized's with the bytes encoded otherwise (the same threads, exchanges and exits), so each
-# kind still meets both families and both encodings.
+# algorithm one, in turn, but the variants none: bytegrad runs gradient_allreduce's code and
+# low_precision_decentralized decentralized's with the bytes encoded otherwise (the same threads,
+# exchanges and exits; tests/comm covers their encodings).
+VARIANTS = ("bytegrad", "low_precision_decentralized")
 
 
 def cases(kinds):
-    """(contender, kind): plain DDP with each of the two ``kinds``, every algorithm with one of
-    them, the first and the second in turn (see ``CONTENDERS``)."""
-    algorithms = [c for c in CONTENDERS if c != "ddp"]
+    """(contender, kind): plain DDP with each of the two ``kinds``, every algorithm but the
+    variants with one of them, the first and the second in turn (see ``CONTENDERS``)."""
+    algorithms = [c for c in CONTENDERS if c != "ddp" and c not in VARIANTS]
     return [("ddp", k) for k in kinds] + [(c, kinds[i % 2]) for i, c in enumerate(algorithms)]
 
 
