@@ -10,26 +10,35 @@ import itertools
 class Subscription:
     """``remove()`` stops the calls (idempotent)."""
 
-    def __init__(self, callbacks, key):
-        self._callbacks, self._key = callbacks, key
+    def __init__(self, listeners, key):
+        self._listeners, self._key = listeners, key
 
     def remove(self):
-        self._callbacks.pop(self._key, None)
+        self._listeners.unsubscribe(self._key)
 
 
 class Listeners:
+    """Called at every training step: the subscribers are kept as a tuple too, rebuilt when one
+    comes or goes, so a call copies nothing (and a subscriber may remove itself while called)."""
+
     def __init__(self):
         self._callbacks = {}
+        self._calls = ()
         self._keys = itertools.count()
 
     def subscribe(self, fn):
         key = next(self._keys)
         self._callbacks[key] = fn
-        return Subscription(self._callbacks, key)
+        self._calls = tuple(self._callbacks.values())
+        return Subscription(self, key)
+
+    def unsubscribe(self, key):
+        if self._callbacks.pop(key, None) is not None:
+            self._calls = tuple(self._callbacks.values())
 
     def __call__(self, *args):
         """Call every subscriber, in the order they subscribed."""
-        for fn in list(self._callbacks.values()):
+        for fn in self._calls:
             fn(*args)
 
     def latest(self):

@@ -25,16 +25,15 @@ class ModelAlgorithms:
     def __init__(self, on_drop, stands_for=None):
         self.stands_for = stands_for or _itself        # a stepped tensor -> the parameters it updates
         self.by_model = weakref.WeakKeyDictionary()    # DDP model -> its Algorithm
+        # The dict behind the weak one, asked at every step (a plain dict's truth costs no call):
+        # a model freed a moment ago (still in it until its removal runs) only costs a look that
+        # finds nothing
+        self.live = self.by_model.data
         self.on_drop = on_drop
         self._fitting = weakref.WeakKeyDictionary()    # optimizer -> ids of the algorithms it fits
         self._stepping = weakref.WeakKeyDictionary()   # optimizer -> (what it was found for, algorithms)
         self._version = 0                              # changes whenever a model's algorithm does
                                                        # (a freed model leaves by_model: its count too)
-
-    def __bool__(self):
-        # the dict behind the weak one: asked at every step, and a model freed a moment ago
-        # (still in it until its removal runs) only costs a look that finds nothing
-        return bool(self.by_model.data)
 
     def get(self, model):
         return self.by_model.get(model)

@@ -322,13 +322,13 @@ class DDPTakeover:
 
     def before_step(self, opt):
         """``opt`` is about to step: the algorithms of the models it updates prepare."""
-        if self.algorithms and opt is not None:
+        if self.algorithms.live and opt is not None:
             self.algorithms.before_step(opt)
 
     def after_step(self, opt):
-        if self.algorithms and opt is not None:
+        if self.algorithms.live and opt is not None:
             self.algorithms.after_step(opt)
 
     def step_of(self, opt):
         """What takes ``opt``'s step over (an object with ``name`` and ``step(opt)``), or None."""
-        return self.algorithms.step_of(opt) if self.algorithms else None
+        return self.algorithms.step_of(opt) if self.algorithms.live else None

@@ -37,6 +37,8 @@ class OptimizerController:
         self.ref = weakref.ref(opt)
         self.qualname = qualified_name(type(opt))
         self.events = events
+        self._announce_step_begins = events.emitter("step_begins")
+        self._announce_step = events.emitter("step")
         self.comm = comm
         self.override = None          # the StepOverride of the step under way
         self.overridden = {}          # who took steps over -> how many
@@ -163,13 +165,16 @@ class OptimizerController:
         if decision.measured is not None:
             self.events.emit("auto", self, decision.measured)
 
+    # Every step runs these: the rooms are read directly (``self.active.mode``, not the ``mode``
+    # property), and a boundary where the chooser decides nothing applies nothing.
     def step_begins(self, opt, closure):
         self.comm.before_step(opt)
-        self.events.emit("step_begins", self)
-        self._choose(opt, self.chooser.step_begins, closure, self.steps, self.mode)
-        self.step_mode = self.mode
-        if self.active.strategy is not None:
-            return self.active.before_step(opt, closure)
+        self._announce_step_begins(self)
+        active = self.active
+        self._choose(opt, self.chooser.step_begins, closure, self.interception.steps, active.mode)
+        self.step_mode = active.mode
+        if active.strategy is not None:
+            return active.before_step(opt, closure)
         owner = self.comm.step_owner(opt)
         if owner is None:
             return None
@@ -183,19 +188,23 @@ class OptimizerController:
             self.override = None
 
     def step_ends(self, opt):
-        self._end_override()
-        if self.active.strategy is not None:
-            unsafe, differs = self.active.after_step(opt)
+        if self.override is not None:
+            self._end_override()
+        active = self.active
+        if active.strategy is not None:
+            unsafe, differs = active.after_step(opt)
             if unsafe:
                 self._apply(opt, self.chooser.incident((BACKWARD,), unsafe, self.steps, self.mode, differs))
-        self._choose(opt, self.chooser.step_ends, self.steps, self.mode)
+        self._choose(opt, self.chooser.step_ends, self.interception.steps, active.mode)
 
     def _choose(self, opt, decide, *args):
         """Apply what the chooser decides at a step boundary; its time is autopatch's own, and a
         failure in it falls back (guard.py)."""
         t0 = time.perf_counter()
         try:
-            self._apply(opt, decide(opt, *args))
+            decision = decide(opt, *args)
+            if decision is not None:
+                self._apply(opt, decision)
         except Exception as error:
             if not guard.absorbed(self.active, opt, CHOOSING, error):
                 raise
@@ -205,7 +214,7 @@ class OptimizerController:
 
     def step_counted(self, opt):
         self.comm.after_step(opt)
-        self.events.emit("step", self)
+        self._announce_step(self)
 
     def step_abandoned(self):
         self._end_override()

@@ -61,5 +61,6 @@ class DDPPatch(Patch):
 
     def _offered(self, ddp):
         """A model built before the patch is offered to the takeover once, when first used."""
-        if ddp not in self._building and ddp not in self.takeover.models:   # every model seen
+        if ddp not in self.takeover.models and ddp not in self._building:   # every model seen (the
+            # known ones, every forward after the first, answer the first test)
             self.takeover.adopt(ddp)

@@ -23,3 +23,7 @@ class Events:
 
     def emit(self, name, *args):
         self._listeners[name](*args)
+
+    def emitter(self, name):
+        """``emit`` of one event as a callable of its own, for those who announce it at every step."""
+        return self._listeners[name]
