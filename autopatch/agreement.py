@@ -49,7 +49,8 @@ def _ranks(group):
         tuple(range(torch_dist.get_world_size()))
 
 
-def _closed_key(rank):
+def closed_key(rank):
+    """The key under which ``rank`` says it stopped (shard_service.py's waits read it too)."""
     return f"{PREFIX}closed/{rank}"
 
 
@@ -100,7 +101,7 @@ def _read(store, key, topic, owner):
     deadline = time.monotonic() + WAIT_SECONDS
     pause = _POLL_FIRST
     while not store.check([key]):
-        if store.check([_closed_key(owner)]):
+        if store.check([closed_key(owner)]):
             raise AgreementLost(f"rank {owner} stopped (autopatch disabled or the process ended) "
                                 f"before deciding {topic}")
         if time.monotonic() > deadline:
@@ -119,7 +120,7 @@ def opened():
     """autopatch is enabled in this process: another rank's waits for it wait again."""
     if _closed and _used:
         try:
-            _used["store"].delete_key(_closed_key(_used["rank"]))
+            _used["store"].delete_key(closed_key(_used["rank"]))
         except Exception:
             pass
     _closed.clear()
@@ -133,7 +134,7 @@ def closed():
         return
     _closed.append(True)
     try:
-        _used["store"].set(_closed_key(_used["rank"]), b"1")
+        _used["store"].set(closed_key(_used["rank"]), b"1")
     except Exception:
         pass
 

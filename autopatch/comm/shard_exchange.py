@@ -8,17 +8,20 @@ into a buffer of the run's length, plus one exchange of small per-parameter valu
 
 Every rank of the group must reach each of these at the same point, as it reaches DDP's
 allreduce: the steps that call them run on every rank alike. ``state_dict()`` is the exception a
-user's script can break (a rank-0-only save): ``check_everyone`` asks the group through the job's
-store, bounded in time, before the first collective, so such a call raises a clear error instead
-of waiting forever. A DDP model that enters a Join context (``join()`` with uneven inputs) may
+user's script can break (a rank-0-only save): ``asked_together`` finds out through the job's store
+whether every rank asks, and when not, ``served_parts`` has the other ranks' service threads send
+their parts through the store instead (shard_service.py), so such a call gets the whole state as
+unpatched, with no rank waiting on another. A DDP model that enters a Join context (``join()`` with uneven inputs) may
 step unevenly from then on: ``uneven()`` says so, and the sharded step gives its state back at
 the next step, which every rank still takes, and adds no collective after it.
 """
 
 import torch.distributed as dist
 
-from .. import agreement
+from .shard_service import SERVICE, ShardedStateError
 from .waiting import Waiter
+
+__all__ = ["exchange_for", "ShardExchange", "ShardedStateError"]
 
 JOINED = "its DDP model entered a Join context: its ranks may step unevenly"
 
@@ -53,10 +56,6 @@ def exchange_for(takeover, params):
     return ShardExchange(groups[0], models), None
 
 
-class ShardedStateError(RuntimeError):
-    """A sharded optimizer's whole state was asked for on some ranks only."""
-
-
 class ShardExchange:
     def __init__(self, group, models=()):
         """``models``: the takeover's records of the DDP models whose parameters are sharded."""
@@ -66,6 +65,7 @@ class ShardExchange:
         self.rank = dist.get_rank(group)
         self.ranks = dist.get_process_group_ranks(group)
         self.waiter = Waiter(None, "sharded optimizer state")   # the group's timeout; counted as comm
+        self.number = SERVICE.number(tuple(self.ranks))          # the same optimizer's on every rank
 
     def broadcast_shares(self, buffers):
         """For each ``(flat, cuts)``: rank r's ``flat[cuts[r]:cuts[r + 1]]`` to every rank, in place.
@@ -87,16 +87,24 @@ class ShardExchange:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def check_everyone(self, what):
-        """Raise ShardedStateError unless every rank of the group asks for ``what`` too (waiting
-        at most ``agreement.WAIT_SECONDS`` for the others)."""
-        try:
-            agreement.gather(what, True, self.group)
-        except agreement.AgreementLost as e:
-            raise ShardedStateError(
-                f"{what} gathers the optimizer state sharded over {self.world} ranks, a collective that "
-                f"every rank must call at the same point, but another rank did not ({e}). Call it on "
-                "every rank (then save on one), or run without fusion.shard") from None
+    def serve(self, read):
+        """``read(step)`` (a bound method): this rank's parts of the state as of the end of
+        ``step``, for a rank that asks alone (None while this rank is not there yet)."""
+        SERVICE.register(tuple(self.ranks), self.number, read)
+
+    def stop_serving(self, read):
+        """``read`` serves no more (a newer reader of the same optimizer stays)."""
+        SERVICE.unregister(tuple(self.ranks), self.number, read)
+
+    def asked_together(self, what, step):
+        """True when every rank of the group asks for ``what`` at ``step``: gather by the
+        broadcasts; False: ``served_parts``. Every asker gets the same answer."""
+        return SERVICE.together(tuple(self.ranks), self.number, step, what)
+
+    def served_parts(self, what, step):
+        """``{group rank: its parts}`` of every other rank, as of the end of ``step``."""
+        parts = SERVICE.served(tuple(self.ranks), self.number, step, what)
+        return {self.ranks.index(r): part for r, part in parts.items()}
 
     def uneven(self):
         """Why the ranks may step unevenly from now on (a Join context), or None."""

@@ -32,7 +32,6 @@ def jobs(tmp_path_factory):
             jobs[c, killed] = (c, out, dict(fault="kill" if killed else "none", fault_rank=1, fault_step=42, steps=60,
                                             restarts=1, FAULT_CHECKPOINT=out / "checkpoint.pt", FAULT_EVERY=5,
                                             TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, FUSEDOPT_AUTOTUNE_TRIAL_SECONDS=0.05,
-                                            FAULT_STATE_EVERY_RANK=int(c == "sharded"),
                                             FUSEDOPT_REPORT=out / "report_{rank}.json"))
     return run_all(jobs)
 
@@ -50,3 +49,4 @@ def test_a_restarted_job_ends_as_an_uninterrupted_one(jobs, contender):
         for rank in (0, 1):
             [opt] = json.loads((killed.out / f"report_{rank}.json").read_text())["optimizers"]
             assert opt["shard"]["active"] is True and opt["shard"]["ranks"] == 2, opt
+            assert opt["shard"]["state_dicts_served"] == (4 if rank == 0 else 0), opt   # saves at 45..60

@@ -2,10 +2,9 @@
 
 It trains a small MLP under DistributedDataParallel with Adam on data drawn from (rank, step),
 saves model and optimizer state_dicts to ``FAULT_CHECKPOINT`` every ``FAULT_EVERY`` steps (rank 0)
-and loads them at start when present, as a restartable script does; with ``FAULT_STATE_EVERY_RANK=1``
-every rank asks for the optimizer's state_dict and rank 0 saves it, as a script must under sharded
-optimizer state, where state_dict() gathers the state from every rank. At the end every rank saves
-its model's state_dict to ``FAULT_OUT/rank{r}.pt``.
+and loads them at start when present, as a restartable script does (under sharded optimizer
+state, rank 0's state_dict() is served the other ranks' shares). At the end every rank saves its
+model's state_dict to ``FAULT_OUT/rank{r}.pt``.
 
 ``FAULT`` says what goes wrong on rank ``FAULT_RANK`` at step ``FAULT_STEP``: ``raise`` (an
 exception), ``kill`` (SIGKILL to itself; under torchrun's restarts only in its first attempt),
@@ -35,7 +34,6 @@ STEPS = int(os.environ.get("FAULT_STEPS", 40))
 PAUSE = float(os.environ.get("FAULT_PAUSE", 0.01))
 CHECKPOINT = os.environ.get("FAULT_CHECKPOINT")
 EVERY = int(os.environ.get("FAULT_EVERY", 5))
-STATE_EVERY_RANK = os.environ.get("FAULT_STATE_EVERY_RANK") == "1"
 
 
 def handler(signum, frame):
@@ -80,12 +78,10 @@ def main():
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         time.sleep(PAUSE)
-        if CHECKPOINT and (RANK == 0 or STATE_EVERY_RANK) and (step + 1) % EVERY == 0:
-            state = opt.state_dict()
-            if RANK == 0:
-                part = CHECKPOINT + ".part"
-                torch.save({"model": model.module.state_dict(), "optimizer": state, "step": step + 1}, part)
-                os.replace(part, CHECKPOINT)
+        if CHECKPOINT and RANK == 0 and (step + 1) % EVERY == 0:
+            part = CHECKPOINT + ".part"
+            torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": step + 1}, part)
+            os.replace(part, CHECKPOINT)
         if CHECKPOINT and (step + 1) % EVERY == 0:
             dist.barrier()          # every rank resumes from the same checkpoint
     torch.save(model.module.state_dict(), OUT / f"rank{RANK}.pt")

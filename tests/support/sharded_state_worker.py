@@ -19,7 +19,6 @@ from torch.distributed.algorithms.join import Join
 
 import autopatch
 from spawn import run_rank
-from autopatch import agreement
 
 RANK, WORLD = int(sys.argv[2]), int(sys.argv[5])     # of SUITE RANK INIT_FILE OUT WORLD (spawn.run_rank)
 STEPS, HALF = 6, 3
@@ -281,24 +280,32 @@ def distributed_checkpoint(make):
 
 
 def state_dict_on_one_rank(make):
-    """Rank 0 alone asks for the whole state: a clear error within the bounded wait, no hang."""
-    agreement.WAIT_SECONDS = 3.0
-    sharded(mode="multi_layer")
-    try:
-        model = nn.parallel.DistributedDataParallel(net())
-        opt = make(model.parameters())
-        x, y = batch(0)
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        error = None
-        if RANK == 0:
-            try:
-                opt.state_dict()
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-    finally:
-        autopatch.disable()
-    return error
+    """The checkpoint of most DDP scripts: rank 0 alone asks for ``opt.state_dict()`` mid-run and
+    at the end (``if rank == 0: torch.save(...)``) while the other ranks train on; unpatched, then
+    sharded. {"differs": None or how the sharded run's losses, weights or any state dict rank 0
+    saved differ from unpatched, "served": state_dict() calls rank 0 had served}"""
+    def run(shard):
+        if shard:
+            sharded(mode="multi_layer")
+        try:
+            model = nn.parallel.DistributedDataParallel(net())
+            opt = make(model.parameters())
+            losses, saved = [], {}
+            for step in range(STEPS):
+                losses.append(train_step(model, opt, step))
+                if RANK == 0 and step in (HALF - 1, STEPS - 1):
+                    saved[step] = copy.deepcopy(opt.state_dict())
+            served = report_of()["shard"]["state_dicts_served"] if shard else 0
+            return losses, [p.detach().clone() for p in model.parameters()], saved, served
+        finally:
+            autopatch.disable()
+            dist.barrier()
+
+    ref, got = run(False), run(True)
+    why = None
+    for step in ref[2]:
+        why = why or differs((got[0], got[1], got[2][step]), (ref[0], ref[1], ref[2][step]))
+    return {"differs": why or (None if got[2].keys() == ref[2].keys() else "other saves"), "served": got[3]}
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@ owner into every rank's flat buffer, so every rank holds all the weights before 
 
 Outside ``step()`` this rank's ``optimizer.state`` holds, as unpatched, the state of the parameters
 wholly in its share (views of its shard); the others have no entry. ``state_dict()`` gathers the
-whole state, as unpatched would return it (``packed_state``): a collective, so every rank must call
-it (a call on some ranks only is a clear error, comm/shard_exchange.py). ``load_state_dict()`` puts
-a whole state back per parameter, and the next plan keeps this rank's share of it.
+whole state, as unpatched would return it (``packed_state``): by the broadcasts when every rank
+asks at the same step, else (a rank-0-only save) from the parts the other ranks' service threads
+serve (comm/shard_service.py), read by ``part_at`` once this rank has ended the asker's step.
+``load_state_dict()`` puts a whole state back per parameter, and the next plan keeps this rank's
+share of it.
 
 Whenever the plan is about to change (params moved, a param group added, a new chunk size), the
 mode is left, or sharding stops, the state is first gathered back per parameter (``unshard``), so
@@ -28,7 +30,7 @@ import torch
 
 from ..multi_layer import MultiLayerStep, split_by_grads
 from ..planner import FlatPlanner
-from .whole_state import gather_state
+from .whole_state import gather_state, local_part, served_state
 
 PARTIAL = "some parameters of a run had no gradient while others had (they are skipped, unsharded)"
 
@@ -47,10 +49,19 @@ class ShardedStep(MultiLayerStep):
         self.gather_seconds = 0.0    # spent in those broadcasts (waiting for the slowest rank included)
         self.unshards = 0
         self.layout = {}             # the report's figures of the plan last sharded (_layout)
+        self.served = 0              # state_dict() calls answered from parts other ranks served
+        # What part_at serves another rank, read by the service thread: the runs sharded when the
+        # last step ended (None: this rank's state changed since, by a load), and a count that is
+        # odd while a step is under way and moves past each, so a read that overlapped one is
+        # told apart.
+        self._ended_runs = []
+        self._changes = 0
+        exchange.serve(self.part_at)
 
     def swap_in(self):
         if self.lists:
             return
+        self._changes += 1 - self._changes % 2      # odd: under way (the step, a new plan)
         if self.planner.needs_plan():
             self.unshard()
             self.planner.plan()
@@ -71,13 +82,39 @@ class ShardedStep(MultiLayerStep):
             self.received_bytes += self.exchange.broadcast_shares([(run.flat, run.cuts) for run in stepped])
             self.gather_seconds += time.perf_counter() - t0
             self.gathered_steps += 1
+        self._ended_runs = list(self.sharded)
+        self._changes += 2        # the state of the step just ended is what part_at may read now
+
+    def restore(self):
+        super().restore()
+        if self._changes % 2 and not self.lists:    # even: the step is over (one that raised too)
+            self._changes += 1
+
+    def part_at(self, step):
+        """This rank's parts of every sharded run as of the end of sharded step ``step`` (another
+        rank asked alone); None while this rank is not there yet, or is inside a step. Called
+        from the service thread: the parts are copied, then kept only if nothing changed meanwhile."""
+        before, runs = self._changes, self._ended_runs
+        if before % 2 or self.gathered_steps < step or self.lists:
+            return None
+        if self.gathered_steps > step:
+            raise RuntimeError(f"this rank is at sharded step {self.gathered_steps}, past {step}")
+        if runs is None:
+            raise RuntimeError("a state was loaded on this rank since that step")
+        parts = [local_part(run) for run in runs]
+        return parts if self._changes == before else None
 
     def deactivate(self):
+        """Gather the state back (a collective); a rank that asked alone meanwhile is still served:
+        the other ranks' unshard waits for it."""
         self.restore()
         self.unshard()
+        self.exchange.stop_serving(self.part_at)
 
     def invalidate(self):
         """A state was loaded: it is whole per parameter now, and the shards are stale."""
+        self._changes += 2
+        self._ended_runs = None
         self.flush()
         self.sharded = []
         self.planner.mark_stale()
@@ -105,11 +142,18 @@ class ShardedStep(MultiLayerStep):
         while nothing is sharded (then nothing is gathered, and no other rank is asked)."""
         if not self.sharded:
             return None
-        self.exchange.check_everyone(f"state_dict() of {type(self.opt).__qualname__}")
+        what, step = f"state_dict() of {type(self.opt).__qualname__}", self.gathered_steps
+        if self.exchange.asked_together(what, step):
+            wholes = [gather_state(run, self.exchange) for run in self.sharded]
+        else:
+            parts = self.exchange.served_parts(what, step)
+            wholes = [served_state(run, {r: runs[j] for r, runs in parts.items()})
+                      for j, run in enumerate(self.sharded)]
+            self.served += 1
         index = {id(p): i for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"])}
         state = dict(state_dict["state"])
-        for run in self.sharded:
-            for p, whole in zip(run.params, gather_state(run, self.exchange)):
+        for run, run_wholes in zip(self.sharded, wholes):
+            for p, whole in zip(run.params, run_wholes):
                 if whole:
                     state[index[id(p)]] = whole
         order = sorted(k for k in state if isinstance(k, int)) + [k for k in state if not isinstance(k, int)]
@@ -121,7 +165,8 @@ class ShardedStep(MultiLayerStep):
             self.layout = self._layout()
         out = dict(self.exchange.describe(), active=self.stopped is None, **self.layout,
                    received_bytes=self.received_bytes, gathered_steps=self.gathered_steps,
-                   gather_seconds=round(self.gather_seconds, 6), unshards=self.unshards)
+                   gather_seconds=round(self.gather_seconds, 6), unshards=self.unshards,
+                   state_dicts_served=self.served)
         if self.stopped:
             out["stopped"] = self.stopped
         return dict(super().describe(), shard=out)

@@ -44,6 +44,33 @@ def gather_state(run, exchange):
     merged = {}
     for entries in exchange.gather_objects(_local_entries(run)):
         merged.update(entries)
+    whole = _whole_buffers(run, merged)
+    exchange.broadcast_shares([(buf, run.cuts) for buf in whole.values()])
+    return _per_parameter(run, merged, whole)
+
+
+def local_part(run):
+    """What this rank's broadcasts give the others of ``run``: its entries, and its share of each
+    full-size state tensor (a copy)."""
+    return _local_entries(run), {key: t.clone() for key, t in run.flat_state.items()}
+
+
+def served_state(run, parts):
+    """``gather_state``'s result, from the other ranks' ``local_part`` of ``run`` (``parts``:
+    their group rank -> part) and this rank's own; no collective."""
+    merged = _local_entries(run)
+    for part in parts.values():
+        merged.update(part[0])
+    whole = _whole_buffers(run, merged)
+    for r, (_, shares) in parts.items():
+        for key, buf in whole.items():
+            if key in shares:
+                buf[run.cuts[r]:run.cuts[r + 1]].copy_(shares[key])
+    return _per_parameter(run, merged, whole)
+
+
+def _whole_buffers(run, merged):
+    """key -> a buffer of the run's length for each full-size state tensor, this rank's share in."""
     dtypes = {}
     for entry in merged.values():
         dtypes.update((key, x) for key, (kind, x) in entry.items() if kind == "full")
@@ -52,6 +79,9 @@ def gather_state(run, exchange):
         buf = whole[key] = torch.empty(run.numel, dtype=dtype, device=run.flat.device)
         if key in run.flat_state:
             buf[run.lo:run.hi].copy_(run.flat_state[key])
-    exchange.broadcast_shares([(buf, run.cuts) for buf in whole.values()])
+    return whole
+
+
+def _per_parameter(run, merged, whole):
     return [{key: run.param_view(whole[key], i) if kind == "full" else x
              for key, (kind, x) in merged.get(i, {}).items()} for i in range(len(run.params))]

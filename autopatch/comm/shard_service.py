@@ -1,0 +1,208 @@
+"""Sharded optimizer state for a rank that asks alone: ``state_dict()`` on rank 0 only, the way
+most DDP scripts save a checkpoint, returns the whole state there as unpatched.
+
+The broadcasts that gather the state (shard_exchange.py) need every rank at the same point; a
+script that asks on rank 0 only would leave them waiting. So each ``state_dict()`` first finds
+out, through the job's store, whether every rank of the group asks at the same step:
+
+- every rank publishes that it asks (the optimizer's number in the group, the step it is at, and
+  how many times it asked at that step), and waits at most ``TOGETHER_SECONDS`` for the others;
+- the first rank to decide writes the decision with ``compare_set``: ``together`` only if it saw
+  every rank ask, else ``served``; every asker follows the decision kept, so either all of them
+  run the broadcasts or none does, however late one arrives;
+- ``served``: the asker takes a ticket and publishes its request; on every rank a service thread
+  (started once something is sharded) polls the ticket counter, one store round trip every
+  ``POLL_SECONDS``, and answers each request for a group it is in with its part (what the
+  broadcasts would have sent), read once its optimizer has ended the asker's step and is not
+  inside another. That moment comes: the other ranks cannot step past it without the asker,
+  whose DDP allreduce the next step needs. The asker waits at most ``WAIT_SECONDS``, and not at
+  all once a rank said it stopped (agreement.py), and raises ``ShardedStateError`` then.
+
+Parts travel as ``torch.save`` bytes through the store, so a served ``state_dict()`` moves every
+other rank's share through the store's server on the job's first host: slower than the broadcasts
+for large states, and it never makes a rank wait for another to call something.
+"""
+
+import io
+import pickle
+import threading
+import time
+import weakref
+
+from .. import agreement, dist
+from ..job_store import job_store
+
+PREFIX = "autopatch/shard/"
+TICKETS = PREFIX + "tickets"
+TOGETHER_SECONDS = 2.0     # how long an asker waits to see whether every rank asks too
+WAIT_SECONDS = 60.0        # the longest an asker waits for the parts served
+POLL_SECONDS = 0.05        # how often a service thread looks for new requests
+
+
+class ShardedStateError(RuntimeError):
+    """A sharded optimizer's whole state could not be gathered."""
+
+
+def _dumps(obj):
+    import torch
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data):
+    import torch
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+class ShardService:
+    """This process's end of the protocol: ``register`` an exchange's reader of its parts, ``ask``
+    for the others'."""
+
+    def __init__(self):
+        self._readers = {}            # (group's ranks, number) -> fn(step) -> parts, or None: not yet
+        self._asked = {}              # (group's ranks, number, step) -> how many times this rank asked
+        self._numbers = {}            # group's ranks -> the next exchange's number
+        self._lock = threading.Lock()
+        self._thread = None
+        self._seen = 0                # the last ticket looked at
+
+    def number(self, ranks):
+        """The next exchange's number in the group ``ranks``: every rank makes its exchanges in the
+        same order (the same script steps the same optimizers), so numbers name the same one."""
+        with self._lock:
+            n = self._numbers.get(ranks, 0)
+            self._numbers[ranks] = n + 1
+            return n
+
+    def register(self, ranks, number, read):
+        """``read(step)``, a bound method: this rank's parts as of the end of ``step`` (None while
+        it is not there yet; raises when it is past it)."""
+        with self._lock:
+            self._readers[(ranks, number)] = weakref.WeakMethod(read)   # never keeps an optimizer alive
+            if self._thread is None or not self._thread.is_alive():
+                store = job_store()
+                if store is None:
+                    return
+                self._seen = int(store.add(TICKETS, 0))
+                self._thread = threading.Thread(target=self._serve, args=(store,), daemon=True,
+                                                name="autopatch-shard-service")
+                self._thread.start()
+
+    def unregister(self, ranks, number, read):
+        with self._lock:
+            ref = self._readers.get((ranks, number))
+            if ref is not None and ref() in (None, read):
+                del self._readers[(ranks, number)]
+
+    # -- the asking rank --------------------------------------------------------------------------
+    def together(self, ranks, number, step, what):
+        """True when every rank of the group asks for ``what`` at ``step`` (then the broadcasts
+        gather it), False when this rank is to be served."""
+        store = job_store()
+        if store is None:
+            raise ShardedStateError(f"{what}: the job's store cannot be reached to gather the sharded state")
+        key = (ranks, number, step)
+        call = self._asked.get(key, 0)
+        self._asked[key] = call + 1
+        base = f"{PREFIX}{'.'.join(map(str, ranks))}/{number}/{step}/{call}"
+        me = dist.rank()
+        store.set(f"{base}/ask/{me}", b"1")
+        others = [f"{base}/ask/{r}" for r in ranks if r != me]
+        deadline = time.monotonic() + TOGETHER_SECONDS
+        while not store.check(others) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        everyone = store.check(others)
+        kept = store.compare_set(f"{base}/how", "", b"together" if everyone else b"served")
+        return kept == b"together"
+
+    def served(self, ranks, number, step, what):
+        """Every other rank's parts, served: ``{rank: parts}``."""
+        store = job_store()
+        me = dist.rank()
+        ticket = int(store.add(TICKETS, 1))
+        store.set(f"{PREFIX}request/{ticket}", pickle.dumps((me, ranks, number, step)))
+        replies = {r: f"{PREFIX}reply/{ticket}/{r}" for r in ranks if r != me}
+        parts, deadline, pause = {}, time.monotonic() + WAIT_SECONDS, 0.001
+        try:
+            while len(parts) < len(replies):
+                for r, key in replies.items():
+                    if r not in parts and store.check([key]):
+                        ok, body = pickle.loads(store.get(key))
+                        if not ok:
+                            raise ShardedStateError(f"{what}: rank {r} could not serve its share ({body})")
+                        parts[r] = _loads(body)
+                if len(parts) == len(replies):
+                    break
+                waiting = [r for r in replies if r not in parts]
+                if any(store.check([agreement.closed_key(r)]) for r in waiting):
+                    raise ShardedStateError(f"{what}: rank(s) {waiting} stopped (autopatch disabled or the "
+                                            "process ended) before serving their share of the state")
+                if time.monotonic() > deadline:
+                    raise ShardedStateError(
+                        f"{what}: rank(s) {waiting} did not serve their share of the state within "
+                        f"{WAIT_SECONDS:.0f} s (a rank stepped without this one, or stalled)")
+                time.sleep(pause)
+                pause = min(2 * pause, 0.02)
+        finally:
+            for key in [f"{PREFIX}request/{ticket}", *replies.values()]:
+                try:
+                    store.delete_key(key)
+                except Exception:
+                    pass
+        return parts
+
+    # -- every rank: the service thread -----------------------------------------------------------
+    def _serve(self, store):
+        me = dist.rank()
+        while True:
+            with self._lock:
+                for key in [k for k, ref in self._readers.items() if ref() is None]:
+                    del self._readers[key]          # optimizers freed
+                if not self._readers:
+                    self._thread = None
+                    return
+            try:
+                last = int(store.add(TICKETS, 0))
+                for ticket in range(self._seen + 1, last + 1):
+                    self._answer(store, ticket, me)
+                self._seen = max(self._seen, last)
+            except Exception:       # the store went with the job: nothing is left to serve
+                with self._lock:
+                    self._thread = None
+                return
+            time.sleep(POLL_SECONDS)
+
+    def _answer(self, store, ticket, me):
+        key = f"{PREFIX}request/{ticket}"
+        deadline = time.monotonic() + WAIT_SECONDS
+        while not store.check([key]):         # the asker took the ticket a moment before
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
+        asker, ranks, number, step = pickle.loads(store.get(key))
+        if asker == me or me not in ranks:
+            return
+        try:
+            body = (True, _dumps(self._read(ranks, number, step, deadline)))
+        except Exception as e:
+            body = (False, f"{type(e).__name__}: {e}")
+        store.set(f"{PREFIX}reply/{ticket}/{me}", pickle.dumps(body))
+
+    def _read(self, ranks, number, step, deadline):
+        while True:
+            with self._lock:
+                ref = self._readers.get((ranks, number))
+            read = None if ref is None else ref()
+            if read is None:
+                raise ShardedStateError(f"rank {dist.rank()} shards no such optimizer any more "
+                                        "(autopatch was disabled there, or it left sharding)")
+            parts = read(step)
+            if parts is not None:
+                return parts
+            if time.monotonic() > deadline:
+                raise ShardedStateError(f"rank {dist.rank()} did not reach the end of step {step}")
+            time.sleep(0.002)
+
+
+SERVICE = ShardService()
