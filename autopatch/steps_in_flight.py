@@ -172,6 +172,10 @@ class StepsInFlight:
         stack is too deep to read counts as open). Under the lock."""
         return not any(n and tid not in self._parked for tid, n in self._elsewhere.count_by_thread().items())
 
+    def open_elsewhere(self):
+        """True when a region is open on another thread (parked at its start or not)."""
+        return any(self._elsewhere.count_by_thread().values())
+
     def _busy(self):
         return getattr(self._local, "busy", False)
 

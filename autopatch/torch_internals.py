@@ -106,6 +106,11 @@ def hook_dicts(opt):
     return [getattr(opt, name) for name in _HOOK_DICTS if hasattr(opt, name)]
 
 
+def global_step_pre_hooks():
+    """The dict of hooks ``register_optimizer_step_pre_hook`` registers in, as it is now."""
+    return sys.modules["torch.optim.optimizer"]._global_optimizer_pre_hooks
+
+
 def ran_optimizer_init(obj):
     """True when ``obj`` went through ``Optimizer.__init__`` (wrappers such as accelerate's
     AcceleratedOptimizer never did)."""

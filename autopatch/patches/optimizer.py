@@ -3,12 +3,57 @@ first steps since.
 
 Targets: ``torch.optim.Optimizer.__init__`` (wrapped) and torch's global optimizer step pre-hook
 (``register_optimizer_step_pre_hook``; it runs before the optimizer's own hooks, so that first
-step is intercepted as any other). Internals: none.
+step is intercepted as any other). Internals: the global hooks' dict (torch_internals.py's
+``global_step_pre_hooks``), where the hook is removed while another thread's step goes through it
+(``GlobalPreHook``).
 """
 
 import sys
 
+from ..steps_in_flight import IN_FLIGHT
 from .ledger import Patch, building_own_objects
+
+
+def _inert(opt, args, kwargs):
+    return None
+
+
+class GlobalPreHook:
+    """torch's handle of autopatch's global step pre-hook, removed without breaking a step that is
+    going through the global hooks as it goes.
+
+    A step that began while a toggle was pending waits in this hook (steps_in_flight.py) while
+    ``disable()`` runs on another thread, inside torch's loop over the global hooks' OrderedDict:
+    deleting the entry then would end that step in "OrderedDict mutated during iteration" as soon
+    as a hook of the program's follows it. Then the entry's function is only replaced (in place:
+    the loop goes on) by one that does nothing, and deleted at the next removal or installation
+    that finds no step open on another thread."""
+
+    _stale = []          # (hooks dict, key) of entries left inert
+
+    def __init__(self, hooks, handle):
+        self.hooks, self.key = hooks, handle.id
+
+    def remove(self):
+        hooks, key = self.hooks, self.key
+        if key not in hooks:
+            return
+        keys = list(hooks)
+        if keys[-1] != key and IN_FLIGHT.open_elsewhere():
+            hooks[key] = _inert
+            GlobalPreHook._stale.append((hooks, key))
+        else:
+            del hooks[key]
+        GlobalPreHook.purge()
+
+    @classmethod
+    def purge(cls):
+        """Delete the entries left inert, once no step is open on another thread."""
+        if cls._stale and not IN_FLIGHT.open_elsewhere():
+            for hooks, key in cls._stale:
+                if hooks.get(key) is _inert:
+                    del hooks[key]
+            cls._stale.clear()
 
 
 class OptimizerPatch(Patch):
@@ -26,8 +71,11 @@ class OptimizerPatch(Patch):
             return
         section = self._open()
         section.wrap(optim.Optimizer, "__init__", self._after_init)
-        hooks = sys.modules[optim.Optimizer.__module__]       # torch.optim.optimizer
-        section.hold(hooks.register_optimizer_step_pre_hook(self._before_step))
+        from ..torch_internals import global_step_pre_hooks     # torch is imported by now
+        module = sys.modules[optim.Optimizer.__module__]      # torch.optim.optimizer
+        GlobalPreHook.purge()
+        handle = module.register_optimizer_step_pre_hook(self._before_step)
+        section.hold(GlobalPreHook(global_step_pre_hooks(), handle))
 
     def _after_init(self, wrapped, instance, args, kwargs):
         wrapped(*args, **kwargs)

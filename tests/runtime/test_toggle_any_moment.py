@@ -247,22 +247,25 @@ def test_a_step_that_raised_holds_no_toggle_back(ap, where):
 @pytest.mark.parametrize("mode", MODES)
 def test_a_toggle_while_a_step_begins_leaves_the_programs_own_step_hooks_working(ap, mode):
     """The program has step pre-hooks of its own on the optimizer (registered after autopatch's)
-    and a global one (registered before autopatch's). Another thread's disable() comes while a
-    step has begun but not yet reached autopatch's hooks: the step waits for it, then goes on
-    through the program's hooks, which run, and trains as unpatched."""
+    and global ones, registered before autopatch's and after it. Another thread's disable() comes
+    while a step has begun but not yet reached autopatch's hooks: the step waits for it (inside
+    torch's loop over the global hooks), then goes on through the program's hooks, which run, and
+    trains as unpatched; nothing of autopatch's is left in torch's dicts once the step is over."""
     import torch.optim.optimizer as optimizer_module
     steps, at = 12, 6
     plain = unpatched(steps)
     before = originals()
-    calls, begun, failed = [], threading.Event(), []
+    calls, after_calls, begun, failed = [], [], threading.Event(), []
 
     def before_any_step(opt_, args, kwargs):
         if len(calls) == at:
             begun.set()
             time.sleep(0.3)      # the other thread's disable() is pending by now
     global_handle = optimizer_module.register_optimizer_step_pre_hook(before_any_step)
+    later_handle = None
     try:
         ap.enable(mode=mode)
+        later_handle = optimizer_module.register_optimizer_step_pre_hook(lambda *_: after_calls.append(1))
         model, opt = job()
         own_handle = opt.register_step_pre_hook(lambda *_: calls.append(1))
 
@@ -277,8 +280,13 @@ def test_a_toggle_while_a_step_begins_leaves_the_programs_own_step_hooks_working
         ap.disable()
         trainer.join(60)
         own_handle.remove()
+        ap.enable(mode=mode)      # autopatch's global hook entry is gone by the next toggle at the latest
+        ap.disable()
+        assert list(optimizer_module._global_optimizer_pre_hooks) == [global_handle.id, later_handle.id]
     finally:
         global_handle.remove()
+        if later_handle is not None:
+            later_handle.remove()
     assert not failed, failed[0]
-    assert len(calls) == steps
+    assert len(calls) == len(after_calls) == steps
     assert_as_unpatched(model, opt, plain, before)
