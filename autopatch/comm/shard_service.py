@@ -60,7 +60,7 @@ class ShardService:
     for the others'."""
 
     def __init__(self):
-        self._readers = {}            # (group's ranks, number) -> fn(step) -> parts, or None: not yet
+        self._readers = {}            # (group's ranks, number) -> WeakMethod of its part reader
         self._asked = {}              # (group's ranks, number, step) -> how many times this rank asked
         self._numbers = {}            # group's ranks -> the next exchange's number
         self._lock = threading.Lock()
