@@ -18,6 +18,9 @@ def _inert(opt, args, kwargs):
     return None
 
 
+_left_inert = []         # (hooks dict, key) of autopatch's entries replaced by _inert, to delete
+
+
 class GlobalPreHook:
     """torch's handle of autopatch's global step pre-hook, removed without breaking a step that is
     going through the global hooks as it goes.
@@ -29,8 +32,6 @@ class GlobalPreHook:
     the loop goes on) by one that does nothing, and deleted at the next removal or installation
     that finds no step open on another thread."""
 
-    _stale = []          # (hooks dict, key) of entries left inert
-
     def __init__(self, hooks, handle):
         self.hooks, self.key = hooks, handle.id
 
@@ -41,19 +42,19 @@ class GlobalPreHook:
         keys = list(hooks)
         if keys[-1] != key and IN_FLIGHT.open_elsewhere():
             hooks[key] = _inert
-            GlobalPreHook._stale.append((hooks, key))
+            _left_inert.append((hooks, key))
         else:
             del hooks[key]
         GlobalPreHook.purge()
 
-    @classmethod
-    def purge(cls):
+    @staticmethod
+    def purge():
         """Delete the entries left inert, once no step is open on another thread."""
-        if cls._stale and not IN_FLIGHT.open_elsewhere():
-            for hooks, key in cls._stale:
+        if _left_inert and not IN_FLIGHT.open_elsewhere():
+            for hooks, key in _left_inert:
                 if hooks.get(key) is _inert:
                     del hooks[key]
-            cls._stale.clear()
+            _left_inert.clear()
 
 
 class OptimizerPatch(Patch):
