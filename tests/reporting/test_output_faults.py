@@ -72,7 +72,8 @@ def test_a_log_dir_that_cannot_be_written_never_reaches_training(ap, tmp_path, c
 
 
 def test_a_disk_that_fills_mid_run_turns_tensorboard_off(ap, tmp_path, capfd):
-    with small_tmpfs(tmp_path / "disk") as disk:
+    # 1 MiB: the records of the first 1.2 s must fit (on a fast machine 64 KiB did not), then fill()
+    with small_tmpfs(tmp_path / "disk", size="1m") as disk:
         logdir = disk / "logs"
         ap.enable(logdir=str(logdir))
         job = Job().run(seconds=1.2, steps=40)
