@@ -24,7 +24,9 @@ of it (``h``). Then:
   the leader is taken: every mode left beats unpatched, and on a noisy machine telling them apart
   could take the whole budget;
 - the race ends when one mode is left, or when the budget (``max_steps``) cannot fit another round:
-  then off stays unless the leader beats it by ``MIN_GAIN`` beyond the noise.
+  then off stays unless the leader beats it by ``MIN_GAIN`` beyond the noise;
+- the leader is ``multi_layer`` wherever ``backward`` or ``forward`` leads it by no more than the
+  noise (``_preferred``).
 
 So off stays unless a mode is faster beyond the noise, a clearly slower mode is dropped after two
 rounds, and a clear winner is chosen after two rounds.
@@ -44,7 +46,7 @@ import time
 
 import torch
 
-from ..vocabulary import OFF
+from ..vocabulary import MULTI_LAYER, OFF
 
 WINDOW = 1          # timed steps per candidate per round: on a noisy machine, more rounds of one
                     # timed step decide sooner than fewer, longer ones (benchmarks/bench_auto.py)
@@ -144,6 +146,17 @@ def _median_polish(table, sweeps=10):
     # the fit left free: the largest df of them, their median scaled to a standard deviation.
     free = sorted((abs(y - effect[m] - shift[i]) for i, m, y in obs), reverse=True)[:df]
     return effect, 1.4826 * statistics.median(free), df
+
+
+def _preferred(standings, alive):
+    """The leader, or ``multi_layer`` where the leader (``backward`` or ``forward``) is not faster
+    than it beyond the noise: the plain fused step keeps no hooks in backward or forward, and a
+    race that cannot tell them apart takes it (backward timed within 1% of multi_layer in the
+    race and 10-25% slower after it, in benchmarks/bench_auto.py's steady runs)."""
+    lead = standings.leader
+    if lead not in (OFF, MULTI_LAYER) and MULTI_LAYER in alive and standings.gain(lead, MULTI_LAYER) <= standings.h:
+        return MULTI_LAYER
+    return lead
 
 
 def _log_gain(fraction):
@@ -246,7 +259,7 @@ class ModeRace:
         s = self._standings(self.alive)
         if s is None:
             return {"drop": {}}
-        lead, drop, min_gain = s.leader, {}, _log_gain(MIN_GAIN)
+        lead, drop, min_gain = _preferred(s, self.alive), {}, _log_gain(MIN_GAIN)
         for x in self.alive:
             if x == lead:
                 continue
@@ -277,7 +290,7 @@ class ModeRace:
         s = self._standings(self.alive)
         if s is None:
             return self._decision({}, OFF, None, "no two rounds of timings completed within the measuring budget")
-        lead = s.leader
+        lead = _preferred(s, self.alive)
         if OFF in self.alive and (lead == OFF or s.gain(lead, OFF) - s.h <= _log_gain(MIN_GAIN)):
             lead = OFF
         return self._decision({}, lead, s.noise)

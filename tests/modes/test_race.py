@@ -82,6 +82,16 @@ def test_on_a_noisy_machine_modes_no_faster_than_off_leave_off_in_nearly_every_r
     assert kept >= 180
 
 
+def test_multi_layer_is_kept_where_backward_leads_it_by_no_more_than_the_noise():
+    """backward 1% ahead of multi_layer at 5% noise: the plain fused step is taken in nearly every
+    race; backward 20% ahead is taken in every one."""
+    close = {"off": 1.0, "multi_layer": 0.60, "backward": 0.594}
+    kept = sum(race_with(close, noise=0.05, seed=seed)[0].result["chosen"] == "multi_layer" for seed in range(50))
+    assert kept >= 45
+    clear = {"off": 1.0, "multi_layer": 0.60, "backward": 0.48}
+    assert all(race_with(clear, noise=0.05, seed=seed)[0].result["chosen"] == "backward" for seed in range(20))
+
+
 def test_a_mode_faster_by_less_than_the_noise_is_not_taken():
     speed = {"off": 1.0, "multi_layer": 0.995}
     race, _ = race_with(speed, budget=60, noise=0.05)
