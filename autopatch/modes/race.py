@@ -277,7 +277,8 @@ class ModeRace:
                 if x != lead and s.gain(x, lead) + s.h < _log_gain(TIE):
                     drop[x] = f"within {TIE:.0%} of {lead} even at the edge of the noise"
                 elif x != lead and endgame:
-                    drop[x] = f"behind {lead} after {ENDGAME} rounds without off (every mode left beats it)"
+                    where = "behind" if s.gain(lead, x) >= 0 else "not ahead beyond the noise of"
+                    drop[x] = f"{where} {lead} after {ENDGAME} rounds without off (every mode left beats it)"
         left = [m for m in left if m not in drop]
         return self._decision(drop, left[0] if len(left) == 1 else None, s.noise)
 
