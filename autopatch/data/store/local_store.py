@@ -76,24 +76,32 @@ def _directory_lock(path):
 
 
 def _damage(path):
-    """Why the store's file cannot be used as it is, or None."""
+    """Why the store's file cannot be used as it is, or None. Other processes may be writing to it
+    meanwhile (another DataLoader worker, another rank): the file only grows in use, so its size is
+    read after the pages its header says it holds, and a file that keeps growing past the map this
+    check opens is in use, not cut."""
     data = os.path.join(path, "data.mdb")
-    try:
+    for _ in range(3):
+        try:
+            size = os.path.getsize(data)
+        except FileNotFoundError:
+            return None
+        if size == 0:
+            return None
+        try:
+            env = lmdb.open(path, readonly=True, lock=False, max_readers=2048, map_size=max(size, 1 << 20))
+            try:
+                needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+            finally:
+                env.close()
+        except lmdb.MapResizedError:   # it grew between the size read and the header read
+            continue
+        except DAMAGE as e:
+            return f"it is not a readable lmdb file ({type(e).__name__}: {e})"
         size = os.path.getsize(data)
-    except FileNotFoundError:
+        if size < needed:
+            return f"its file was cut to {size} of the {needed} bytes it holds"
         return None
-    if size == 0:
-        return None
-    try:
-        env = lmdb.open(path, readonly=True, lock=False, max_readers=2048, map_size=max(size, 1 << 20))
-    except DAMAGE as e:
-        return f"it is not a readable lmdb file ({type(e).__name__}: {e})"
-    try:
-        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    finally:
-        env.close()
-    if size < needed:
-        return f"its file was cut to {size} of the {needed} bytes it holds"
     return None
 
 
