@@ -17,27 +17,19 @@ the whole run otherwise), steps only the chunks in it (``own``), and mirrors per
 the state of the parameters wholly inside it (``holds``); the rest of the run's state is other
 ranks'.
 
-``stands_for(tensor)`` says which parameters a chunk stands in for while a fused step runs, so
-that what watches an optimizer's param groups (a communication algorithm's check of the
-parameters it updates) sees the user's parameters behind the chunks.
+Each chunk is registered with the parameters it spans (``stand_ins.cover``), so that what reads
+an optimizer's param groups while a fused step runs (a communication algorithm's check of the
+parameters it updates, QAdam's layout of its average) finds the user's parameters behind it.
 """
 
 import bisect
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
+from ..stand_ins import cover
 from .chunk_grads import ChunkGrads
 from .freed_heap import HeapRelease
 from .sharding.shares import cut_shares
-
-_covered = WeakIdKeyDictionary()     # a live chunk -> the parameters it spans
-
-
-def stands_for(tensor):
-    """The parameters whose memory ``tensor`` updates: those a chunk spans, else ``(tensor,)``."""
-    return _covered.get(tensor, (tensor,))
-
 
 FULL, SCALAR, PYTHON = "full", "scalar", "python"
 
@@ -110,7 +102,7 @@ class FlatRun:
         self.chunk_spans = [self._span(s, e) for s, e in self.chunk_bounds]
         self.chunks = [torch.nn.Parameter(self.flat[s:e], requires_grad=True) for s, e in self.chunk_bounds]
         for c, (i0, i1) in zip(self.chunks, self.chunk_spans):
-            _covered[c] = tuple(self.params[i0:i1])
+            cover(c, self.params[i0:i1])
         self.grads = ChunkGrads(self, keep_grads)
         self.chunk_states = [dict() for _ in self.chunks]
         self.chunk_keys = [set() for _ in self.chunks]   # state keys already mirrored per param

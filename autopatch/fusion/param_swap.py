@@ -4,17 +4,23 @@ Every fused step works by giving the optimizer's own ``step()`` a different ``pa
 some groups (chunks of flat buffers, local shards, a few chunks at a time) and restoring the
 user's lists afterwards, so that outside ``step()`` the optimizer holds exactly what it holds
 unpatched. This is the one place that saves and restores those lists; restoring runs in reverse
-order, so nested swaps unwind correctly.
+order, so nested swaps unwind correctly. The first ``put`` on a group tells ``stand_ins`` the
+user's list, for code that must see it during the step.
 """
+
+from ..stand_ins import hold_user_params, release_user_params
 
 
 class ParamSwap:
     def __init__(self):
         self._saved = []      # (group, the params list it held before)
+        self._held = []       # the groups whose user's list this swap told stand_ins
 
     def put(self, group, params):
         """Give ``group`` the list ``params`` until ``restore()``."""
         self._saved.append((group, group["params"]))
+        if hold_user_params(group):
+            self._held.append(group)
         group["params"] = params
 
     def remember(self, groups):
@@ -35,6 +41,10 @@ class ParamSwap:
         saved, self._saved = self._saved, []
         for group, params in reversed(saved):
             group["params"] = params
+        if self._held:
+            held, self._held = self._held, []
+            for group in held:
+                release_user_params(group)
 
     def __bool__(self):
         return bool(self._saved)

@@ -108,7 +108,7 @@ class Runtime:
         from ..comm.sync_handle import GradientSync
         from ..comm.sync_owner import why_ddp_keeps
         from ..comm.takeover import DDPTakeover
-        from ..fusion.flat_run import stands_for
+        from ..stand_ins import stands_for
         if self.comm is not None:
             return
         ar = self.policy.allreduce

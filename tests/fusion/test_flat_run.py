@@ -3,7 +3,8 @@ optimizer state moves in and back out per parameter."""
 
 import torch
 
-from autopatch.fusion.flat_run import FlatRun, stands_for, state_signature
+from autopatch.fusion.flat_run import FlatRun, state_signature
+from autopatch.stand_ins import stands_for
 
 
 def params(*shapes, seed=0):

@@ -155,7 +155,47 @@ def mnist_qadam_case():
     weights = fused.pop("weights")
     return {"equal": torch.equal(weights, plain.pop("weights")),
             "identical": all(torch.equal(w, everyone(weights)[0]) for w in everyone(weights)),
-            "fused": fused, "plain": plain}
+            "fused": fused, "plain": plain, "layouts": qadam_layouts_case()}
+
+
+class Layouts(nn.Module):
+    """Parameters in every memory order a flat run keeps, each over several of the 8-bit average's
+    rows of 1,024 (so a row holds other elements when a parameter is laid out in memory order):
+    transposed, permuted 3-D, channels_last, and one cut into several chunks."""
+
+    def __init__(self):
+        super().__init__()
+        self.transposed = nn.Parameter(torch.randn(48, 64).t())
+        self.permuted = nn.Parameter(torch.randn(8, 16, 24).permute(2, 0, 1))
+        self.conv = nn.Conv2d(2, 96, 3).to(memory_format=torch.channels_last)
+        self.large = nn.Linear(48, 1 << 15)
+
+    def forward(self, x):
+        h = self.conv(x).mean((2, 3))[:, :64] @ self.transposed
+        return self.large(h).mean(1) + self.permuted.square().mean() * h.mean(1)
+
+
+def qadam_layouts_case():
+    """QAdamOptimizer under fuse_step() against step() over those parameters: the 8-bit average's
+    rows hold each parameter's elements in its own index order, in the optimizer's order,
+    whatever chunks the fused step hands the optimizer."""
+    def run(fuse):
+        torch.manual_seed(0)
+        model = Layouts()
+        opt = QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=3, weight_decay=0.01)
+        ddp = with_bagua(model, [opt], QAdamAlgorithm(opt, hierarchical=False), do_flatten=not fuse)
+        if fuse:
+            fuse_optimizer(opt)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(8):
+            opt.zero_grad()
+            ddp(torch.randn(4, 2, 6, 6, generator=g)).square().mean().backward()
+            (opt.fuse_step if fuse else opt.step)()
+        strides = [p.stride() for p in model.parameters()]
+        return flat(model), strides, opt.fuse_step.__self__.flat.describe()["fused_steps"] if fuse else None
+
+    (fused, fused_strides, steps), (plain, plain_strides, _) = run(True), run(False)
+    return {"equal": torch.equal(fused, plain), "strides": fused_strides == plain_strides, "fused_steps": steps}
 
 
 def broadcast_case():

@@ -43,6 +43,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ...policy import check_algorithm_setting
+from ...stand_ins import stands_for, user_params
 from ...torch_internals import group_timeout, unhooked_step
 from ..waiting import Waiter
 from .base import Algorithm, whole_number
@@ -76,37 +77,33 @@ class FrozenVarianceAdam:
         # parameter -> (the v it was computed from, denominator, v == 0 or None); weakly keyed:
         # fused steps bring new chunk objects, and dead ones must not be kept alive
         self.denoms = WeakIdKeyDictionary()
-        self._directions = None    # (ids of the parameters, flat buffers, parameter -> its view)
+        self._directions = None    # (what the optimizer steps, its DirectionLayout)
 
     def __call__(self, optimizer):
         reason = unsupported(optimizer)
         if reason is not None:
             raise ValueError(f"autopatch qadam: {reason}")
+        groups = optimizer.param_groups
+        stepped = [p for g in groups for p in g["params"]]
+        layout = self._layout(stepped, [p for g in groups for p in user_params(g)])
         steps = []
-        flats, directions = self._buffers([p for g in optimizer.param_groups for p in g["params"]])
         with torch.no_grad():
-            for group in optimizer.param_groups:
+            for group in groups:
                 for p in group["params"]:
-                    steps.append(self._prepare(optimizer, p, group, directions[p]))
-            self.average(flats)
+                    steps.append(self._prepare(optimizer, p, group, layout.direction(p)))
+            layout.gather()
+            self.average(layout.flats)
+            layout.scatter()
             for p, group, denom, direction in steps:
                 if denom is not None:
                     self._apply(optimizer, p, group, denom, direction)
 
-    def _buffers(self, params):
-        """Each parameter's buffer for its step direction: views of one flat buffer per dtype and
-        device, which the average takes as they are (no copy in or out)."""
-        ids = [id(p) for p in params]
-        if self._directions is None or self._directions[0] != ids:
-            groups = {}
-            for p in params:
-                groups.setdefault((p.dtype, p.device), []).append(p)
-            flats, views = [], {}
-            for (dtype, device), ps in groups.items():
-                flats.append(torch.empty(sum(p.numel() for p in ps), dtype=dtype, device=device))
-                views.update((p, piece.view_as(p)) for p, piece in zip(ps, flats[-1].split([p.numel() for p in ps])))
-            self._directions = ids, flats, views
-        return self._directions[1], self._directions[2]
+    def _layout(self, stepped, users):
+        """Where each stepped tensor's direction goes, kept while the optimizer steps the same ones."""
+        key = [(id(p), p.data_ptr()) for p in stepped] + [id(p) for p in users]
+        if self._directions is None or self._directions[0] != key:
+            self._directions = key, DirectionLayout(stepped, users)
+        return self._directions[1]
 
     def _prepare(self, optimizer, p, group, direction):
         """Update m with the local gradient; into ``direction`` the step direction m / sqrt(v),
@@ -151,6 +148,67 @@ class FrozenVarianceAdam:
         if group["weight_decay"] and _decoupled(optimizer, group):
             p.mul_(1 - lr * group["weight_decay"])
         p.add_(direction, alpha=-lr / (1 - float(group["betas"][0]) ** int(state["step"])))
+
+
+class DirectionLayout:
+    """The step directions QAdam averages, laid out as the unpatched step lays them out: one flat
+    buffer per dtype and device holding each of the user's parameters in the optimizer's order,
+    element by element in the parameter's own index order. The 8-bit average codes its rows with
+    a min and max each, so which elements share a row decides the result.
+
+    A stepped tensor that is the user's parameter writes its direction there directly. A flat
+    chunk a fused step hands the optimizer (``stand_ins``) writes into a buffer laid out as the
+    memory it updates; its parameters' directions are copied into the flat buffers before the
+    average (``gather``) and back after it (``scatter``).
+    """
+
+    def __init__(self, stepped, users):
+        chunks = [t for t in stepped if stands_for(t)[0] is not t]
+        laid = {id(p): p for p in users}
+        laid.update((id(t), t) for t in stepped if stands_for(t)[0] is t)   # none outside users, unless a
+        by_kind = {}                                                        # swap bypassed stand_ins
+        for p in laid.values():
+            by_kind.setdefault((p.dtype, p.device), []).append(p)
+        self.flats, self._views = [], {}
+        for (dtype, device), ps in by_kind.items():
+            self.flats.append(torch.empty(sum(p.numel() for p in ps), dtype=dtype, device=device))
+            for p, piece in zip(ps, self.flats[-1].split([p.numel() for p in ps])):
+                self._views[id(p)] = piece.view(p.shape)
+        self._direction = {id(t): self._views[id(t)] for t in stepped if id(t) in self._views}
+        self._copies = []
+        for memory in _by_storage(chunks):
+            self._mirror(memory)
+
+    def _mirror(self, chunks):
+        """One buffer laid out as the storage the ``chunks`` (and their parameters) live in."""
+        base = min(c.storage_offset() for c in chunks)
+        end = max(c.storage_offset() + c.numel() for c in chunks)
+        buffer = torch.empty(end - base, dtype=chunks[0].dtype, device=chunks[0].device)
+        params = {}
+        for c in chunks:
+            self._direction[id(c)] = buffer.as_strided(c.shape, c.stride(), c.storage_offset() - base)
+            params.update((id(p), p) for p in stands_for(c))
+        for i, p in params.items():
+            memory = buffer.as_strided(p.shape, p.stride(), p.storage_offset() - base)
+            self._copies.append((self._views[i], memory))
+
+    def direction(self, tensor):
+        return self._direction[id(tensor)]
+
+    def gather(self):
+        for flat_view, memory_view in self._copies:
+            flat_view.copy_(memory_view)
+
+    def scatter(self):
+        for flat_view, memory_view in self._copies:
+            memory_view.copy_(flat_view)
+
+
+def _by_storage(tensors):
+    groups = {}
+    for t in tensors:
+        groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    return groups.values()
 
 
 def step_bound(betas):
