@@ -143,15 +143,19 @@ def timed_runs(name, steps, rounds, tmp, keep, named=()):
 def steady(rounds, steps, tmp):
     """Unpatched, auto and multi_layer named, in turns: per run, the median step of its second
     half on each clock; per round, auto's and multi_layer's over unpatched's and auto's over
-    multi_layer's."""
+    multi_layer's. And what no optimizer step can go below: multi_layer named's forward and
+    backward (its report's per-step breakdown) over unpatched's step."""
     contenders = ("unpatched", "auto", "multi_layer")
     median_step = {clock: {c: [] for c in contenders} for clock in ("seconds", "cpu_seconds")}
     calls = {c: [] for c in contenders}
-    decided, chosen = [], []
+    decided, chosen, parts = [], [], []
     for r, c in turns(contenders, rounds):
         out = tmp / f"steady-{r}-{c}.out"
-        launch([__file__, "--run", "many_small", "--steps", steps, "--out", out], c, tmp, f"steady-{r}-{c}")
+        _, report = launch([__file__, "--run", "many_small", "--steps", steps, "--out", out], c, tmp,
+                           f"steady-{r}-{c}")
         rec = json.loads(out.read_text())
+        if c == "multi_layer":
+            parts.append(report["breakdown"]["median_ms"])
         for clock, runs in median_step.items():
             runs[c].append(statistics.median(rec[clock][steps // 2:]))
         calls[c].append(rec["calls_per_step"])
@@ -165,7 +169,10 @@ def steady(rounds, steps, tmp):
                           "auto_vs_unpatched": [x / y for x, y in zip(a, u)],
                           "named_vs_unpatched": [x / y for x, y in zip(m, u)],
                           "auto_vs_named": [x / y for x, y in zip(a, m)]}
-    return {"figures": figures, "decided_at_step": decided, "chosen": chosen, "calls_per_step": calls}
+    floor = [(p["forward"] + p["backward"]) / (1e3 * u) for p, u in zip(parts, median_step["seconds"]["unpatched"])]
+    return {"figures": figures, "decided_at_step": decided, "chosen": chosen, "calls_per_step": calls,
+            "floor_vs_unpatched": floor, "named_ms": {k: statistics.median(p[k] for p in parts)
+                                                      for k in ("forward", "backward", "optimizer")}}
 
 
 def fmt_ratios(values):
@@ -228,6 +235,10 @@ def main():
                              f"<= {TARGETS['steady_vs_named']}",
                              f"auto chose {st['chosen']}, decided at steps {st['decided_at_step']}"])
             calls = {c: statistics.median(v) for c, v in st["calls_per_step"].items()}
+            ms = ", ".join(f"{k} {v:.2f}" for k, v in st["named_ms"].items())
+            rows.append(["same: multi_layer named's forward + backward over unpatched's step (an optimizer "
+                         "step of no time at all)", fmt_ratios(st["floor_vs_unpatched"]), "-",
+                         f"multi_layer named, median ms: {ms} (its report's breakdown)"])
             rows.append([f"same, after the timed steps: function calls per step, auto vs multi_layer named",
                          f"{calls['auto']:.0f} vs {calls['multi_layer']:.0f}", "equal",
                          f"unpatched {calls['unpatched']:.0f}; auto chose {st['chosen']}"])
