@@ -13,7 +13,7 @@ Nothing here imports the algorithms: the takeover is built while torch itself is
 An optimizer stepped over flat chunks (``autopatch.contrib.fuse_optimizer``, the runtime's fused
 modes) updates a model's parameters through views of the same memory: those steps count as steps
 over the model, and the algorithm is asked about the parameters the chunks stand for
-(``stands_for``, which the fusion side answers; the runtime passes it in), not the chunks.
+(``stand_ins.stands_for``, which the fusion side fills; the runtime passes it in), not the chunks.
 """
 
 import weakref

@@ -96,8 +96,8 @@ class DDPTakeover:
         """``algorithm``: an ``AlgorithmChoice`` for the models built from now on (default:
         gradient_allreduce); ``keeps(world)``: why DDP's own reducer keeps a model of ``world``
         ranks unless asked otherwise (``use_algorithm``), or None to take it over
-        (sync_owner.py); ``stands_for``: the fusion side's answer to which parameters a
-        stepped tensor updates (model_algorithms.py)."""
+        (sync_owner.py); ``stands_for``: which parameters a stepped tensor updates
+        (``stand_ins.stands_for``, which the fusion side fills; model_algorithms.py)."""
         self.choice = algorithm or AlgorithmChoice()
         self.keeps = keeps or (lambda world: None)
         self.settings = SyncSettings(int(bucket_bytes), self.choice.compression(compression), bool(hierarchical))
