@@ -26,16 +26,17 @@ def stands_for(tensor):
 
 
 def hold_user_params(group):
-    """``group``'s list is about to be replaced for a step: keep the user's (the outermost swap's).
-    True when this call kept it, and so must release it."""
-    if id(group) in _outside:
-        return False
-    _outside[id(group)] = (group, group["params"])
-    return True
+    """``group``'s list is about to be replaced for a step: keep the one it holds, unless a list
+    is kept for it already (an outer swap's, the user's)."""
+    if id(group) not in _outside:
+        _outside[id(group)] = (group, group["params"])
 
 
-def release_user_params(group):
-    _outside.pop(id(group), None)
+def release_user_params(group, params):
+    """``group`` holds ``params`` again: when that is the kept list, the swap is over."""
+    kept = _outside.get(id(group))
+    if kept is not None and kept[1] is params:
+        del _outside[id(group)]
 
 
 def user_params(group):

@@ -5,7 +5,8 @@ some groups (chunks of flat buffers, local shards, a few chunks at a time) and r
 user's lists afterwards, so that outside ``step()`` the optimizer holds exactly what it holds
 unpatched. This is the one place that saves and restores those lists; restoring runs in reverse
 order, so nested swaps unwind correctly. The first ``put`` on a group tells ``stand_ins`` the
-user's list, for code that must see it during the step.
+user's list, for code that must see it during the step, until a ``restore`` puts it back (the
+swap's own, or an outer one's after a failure left the inner one undone).
 """
 
 from ..stand_ins import hold_user_params, release_user_params
@@ -14,13 +15,11 @@ from ..stand_ins import hold_user_params, release_user_params
 class ParamSwap:
     def __init__(self):
         self._saved = []      # (group, the params list it held before)
-        self._held = []       # the groups whose user's list this swap told stand_ins
 
     def put(self, group, params):
         """Give ``group`` the list ``params`` until ``restore()``."""
         self._saved.append((group, group["params"]))
-        if hold_user_params(group):
-            self._held.append(group)
+        hold_user_params(group)
         group["params"] = params
 
     def remember(self, groups):
@@ -41,10 +40,7 @@ class ParamSwap:
         saved, self._saved = self._saved, []
         for group, params in reversed(saved):
             group["params"] = params
-        if self._held:
-            held, self._held = self._held, []
-            for group in held:
-                release_user_params(group)
+            release_user_params(group, params)
 
     def __bool__(self):
         return bool(self._saved)
