@@ -165,8 +165,10 @@ class DirectionLayout:
     def __init__(self, stepped, users):
         chunks = [t for t in stepped if stands_for(t)[0] is not t]
         laid = {id(p): p for p in users}
-        laid.update((id(t), t) for t in stepped if stands_for(t)[0] is t)   # none outside users, unless a
-        by_kind = {}                                                        # swap bypassed stand_ins
+        # a stepped tensor that is neither a chunk nor in the user's list (a swap stand_ins was not
+        # told of) still gets a place, after the user's parameters
+        laid.update((id(t), t) for t in stepped if stands_for(t)[0] is t)
+        by_kind = {}
         for p in laid.values():
             by_kind.setdefault((p.dtype, p.device), []).append(p)
         self.flats, self._views = [], {}
