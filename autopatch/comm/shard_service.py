@@ -9,7 +9,9 @@ out, through the job's store, whether every rank of the group asks at the same s
   how many times it asked at that step), and waits at most ``TOGETHER_SECONDS`` for the others;
 - the first rank to decide writes the decision with ``compare_set``: ``together`` only if it saw
   every rank ask, else ``served``; every asker follows the decision kept, so either all of them
-  run the broadcasts or none does, however late one arrives;
+  run the broadcasts or none does, however late one arrives. The keys go once they can no longer
+  change a decision (a served call leaves one: its decision), so a job that checkpoints often does
+  not grow the store;
 - ``served``: the asker takes a ticket and publishes its request; on every rank a service thread
   (started once something is sharded) polls the ticket counter, one store round trip every
   ``POLL_SECONDS``, and answers each request for a group it is in with its part (what the
@@ -41,6 +43,14 @@ POLL_SECONDS = 0.05        # how often a service thread looks for new requests
 
 class ShardedStateError(RuntimeError):
     """A sharded optimizer's whole state could not be gathered."""
+
+
+def _forget(store, keys):
+    for key in keys:
+        try:
+            store.delete_key(key)
+        except Exception:     # gone with the job, or never written: nothing to keep clean
+            pass
 
 
 def _dumps(obj):
@@ -106,15 +116,23 @@ class ShardService:
         call = self._asked.get(key, 0)
         self._asked[key] = call + 1
         base = f"{PREFIX}{'.'.join(map(str, ranks))}/{number}/{step}/{call}"
-        me = dist.rank()
-        store.set(f"{base}/ask/{me}", b"1")
-        others = [f"{base}/ask/{r}" for r in ranks if r != me]
+        me, how = dist.rank(), f"{base}/how"
+        asks = {r: f"{base}/ask/{r}" for r in ranks}
+        store.set(asks[me], b"1")
+        others = [key for r, key in asks.items() if r != me]
         deadline = time.monotonic() + TOGETHER_SECONDS
-        while not store.check(others) and time.monotonic() < deadline:
+        while not store.check(others) and not store.check([how]) and time.monotonic() < deadline:
             time.sleep(0.005)
-        everyone = store.check(others)
-        kept = store.compare_set(f"{base}/how", "", b"together" if everyone else b"served")
-        return kept == b"together"
+        kept = store.compare_set(how, "", b"together" if store.check(others) else b"served")
+        # The decision is kept and cannot change, so the keys go: an asker's own at once when it
+        # is served (no rank can then see every rank ask), every key once all ranks read
+        # ``together``. A served call leaves its decision, for an asker of that step still to come.
+        if kept != b"together":
+            _forget(store, [asks[me]])
+            return False
+        if int(store.add(f"{base}/read", 1)) == len(ranks):
+            _forget(store, [*asks.values(), how, f"{base}/read"])
+        return True
 
     def served(self, ranks, number, step, what):
         """Every other rank's parts, served: ``{rank: parts}``."""
@@ -145,11 +163,7 @@ class ShardService:
                 time.sleep(pause)
                 pause = min(2 * pause, 0.02)
         finally:
-            for key in [f"{PREFIX}request/{ticket}", *replies.values()]:
-                try:
-                    store.delete_key(key)
-                except Exception:
-                    pass
+            _forget(store, [f"{PREFIX}request/{ticket}", *replies.values()])
         return parts
 
     # -- every rank: the service thread -----------------------------------------------------------

@@ -156,6 +156,7 @@ def suite():
     res["refused"] = refused()
     res["distributed_checkpoint"] = distributed_checkpoint(adamw)
     res["state_dict_on_one_rank"] = state_dict_on_one_rank(adamw)
+    res["store_growth"] = store_growth(adamw)
     return res
 
 
@@ -306,6 +307,34 @@ def state_dict_on_one_rank(make):
     for step in ref[2]:
         why = why or differs((got[0], got[1], got[2][step]), (ref[0], ref[1], ref[2][step]))
     return {"differs": why or (None if got[2].keys() == ref[2].keys() else "other saves"), "served": got[3]}
+
+
+def store_growth(make, calls=5):
+    """What ``state_dict()`` leaves in the job's store: keys added by ``calls`` calls on every
+    rank at once, then by ``calls`` calls on rank 0 alone (the others wait at a barrier, served
+    by their service threads). {"every_rank": added, "rank_0": added}"""
+    from autopatch.job_store import job_store
+    store = job_store()
+    sharded(mode="multi_layer")
+    try:
+        model = nn.parallel.DistributedDataParallel(net())
+        opt = make(model.parameters())
+        for step in range(2):
+            train_step(model, opt, step)
+        dist.barrier()
+        before = store.num_keys()
+        for _ in range(calls):
+            opt.state_dict()
+        dist.barrier()
+        every = store.num_keys()
+        for _ in range(calls):
+            if RANK == 0:
+                opt.state_dict()
+        dist.barrier()
+        return {"every_rank": every - before, "rank_0": store.num_keys() - every}
+    finally:
+        autopatch.disable()
+        dist.barrier()
 
 
 if __name__ == "__main__":
