@@ -39,8 +39,7 @@ class GlobalPreHook:
         hooks, key = self.hooks, self.key
         if key not in hooks:
             return
-        keys = list(hooks)
-        if keys[-1] != key and IN_FLIGHT.open_elsewhere():
+        if next(reversed(hooks)) != key and IN_FLIGHT.open_elsewhere():
             hooks[key] = _inert
             _left_inert.append((hooks, key))
         else:

@@ -127,3 +127,20 @@ def test_state_dict_calls_leave_the_jobs_store_as_they_found_it(sharded):
     world, results = sharded
     grown = results[0]["store_growth"]
     assert grown["every_rank"] <= 0 and grown["rank_0"] <= 5, (world, grown)
+
+
+def test_one_process_without_a_process_group_is_refused_with_the_reason(ap):
+    """No process group: the optimizer runs unsharded multi_layer, as unpatched bit for bit."""
+    import torch
+    from training import assert_same, batches, mlp, train, weights
+
+    data = batches(4)
+    ref_model = mlp()
+    train(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2), data)
+    ap.enable(mode="multi_layer", fusion={"shard": True})
+    model = mlp()
+    train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), data)
+    entry = ap.report()["optimizers"][0]
+    assert_same(weights(model), weights(ref_model))
+    assert entry["mode"] == "multi_layer"
+    assert entry["shard"] == {"active": False, "reason": "no process group (torch.distributed is not initialised)"}

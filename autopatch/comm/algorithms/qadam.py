@@ -163,11 +163,13 @@ class DirectionLayout:
     """
 
     def __init__(self, stepped, users):
-        chunks = [t for t in stepped if stands_for(t)[0] is not t]
-        laid = {id(p): p for p in users}
-        # a stepped tensor that is neither a chunk nor in the user's list (a swap stand_ins was not
-        # told of) still gets a place, after the user's parameters
-        laid.update((id(t), t) for t in stepped if stands_for(t)[0] is t)
+        chunks, laid = [], {id(p): p for p in users}
+        for t in stepped:
+            if stands_for(t)[0] is t:
+                # in the user's list, or (a swap stand_ins was not told of) placed after it
+                laid.setdefault(id(t), t)
+            else:
+                chunks.append(t)
         by_kind = {}
         for p in laid.values():
             by_kind.setdefault((p.dtype, p.device), []).append(p)
