@@ -1,7 +1,8 @@
 """Forward and backward seconds of each training iteration, seen at a few points per iteration.
 
-- forward runs from the end of the last backward or step (or its start, for a closure's forward)
-  to the next call of
+- forward runs from the end of the last backward or step (or its start, for a closure's forward;
+  after the step that ends an iteration, from when the step timer's listeners are done) to the
+  next call of
   ``torch.autograd.backward`` (``loss.backward()`` calls it), less the batches waited for in
   between: the model's forward, the loss, and what the loop does before them (``zero_grad``,
   moving the batch to its device). No module hook is needed for it, so module calls keep torch's
@@ -69,6 +70,11 @@ class PhaseClock:
             counted, spans = self._step_start
             self.in_steps += (TOTALS.comm + TOTALS.data - counted) + (self.forward + self.backward - spans)
             self._step_start = None
+        self._forward_begins()
+
+    def iteration_begins(self):
+        """The step timer's listeners have run after the step: the next forward starts now, their
+        time being autopatch's own (counted apart, outside the iteration)."""
         self._forward_begins()
 
     def take(self):

@@ -138,6 +138,8 @@ class StepTimer:
         self._listeners(self)
         # Time spent by the listeners (switching, logging) is the tuner's cost, not the next step's.
         self._last_tick = time.perf_counter()
+        if self._phases is not None:
+            self._phases.iteration_begins()
         self._own = self._last_tick - now
         self.listener_seconds += self._own
         self._totals_then = (t.optimizer, t.choosing, t.comm, t.data)     # _totals(), inline: every step

@@ -99,6 +99,32 @@ def test_a_run_where_nothing_stands_out_gives_no_advice(ap, one_thread):
     assert "advice" not in summary(report)
 
 
+def test_slow_work_between_steps_is_autopatchs_own_and_not_the_next_forwards(ap, one_thread):
+    """What the step timer's listeners take between two iterations (TensorBoard, the autotuner) is
+    counted once, as autopatch's own: the forward after it starts when they are done, and the
+    shares still add up to the whole."""
+    from autopatch.reporting.breakdown import Breakdown
+    from autopatch.reporting.step_timer import StepTimer
+    ap.enable(mode="multi_layer", logging={"breakdown": False})
+    timer = StepTimer(ap.session(), breakdown=True)
+    breakdown = Breakdown(timer, ap.session())
+    timer.subscribe(lambda _timer: time.sleep(0.005))
+    model = nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 16)
+    try:
+        for _ in range(12):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        b = breakdown.describe()
+    finally:
+        timer.close()
+    assert b["steps"] == 11 and b["median_ms"]["autopatch"] >= 5, b
+    assert b["median_ms"]["forward"] < 5 and b["largest"] == "autopatch", b
+    assert abs(sum(b["share"].values()) - 1) < 0.01, b["share"]
+
+
 def test_breakdown_switched_off_measures_nothing_and_disable_restores_backward(ap):
     original = torch.autograd.backward
     model = nn.Linear(4, 2)
