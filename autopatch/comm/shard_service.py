@@ -18,13 +18,16 @@ out, through the job's store, whether every rank of the group asks at the same s
   broadcasts would have sent), read once its optimizer has ended the asker's step and is not
   inside another. That moment comes: the other ranks cannot step past it without the asker,
   whose DDP allreduce the next step needs. The asker waits at most ``WAIT_SECONDS``, and not at
-  all once a rank said it stopped (agreement.py), and raises ``ShardedStateError`` then.
+  all once a rank said it stopped (agreement.py) and its service thread has ended (a rank that
+  is disabling still serves while its optimizers give their state back), and raises
+  ``ShardedStateError`` then.
 
 Parts travel as ``torch.save`` bytes through the store, so a served ``state_dict()`` moves every
 other rank's share through the store's server on the job's first host: slower than the broadcasts
 for large states, and it never makes a rank wait for another to call something.
 """
 
+import atexit
 import io
 import pickle
 import threading
@@ -39,6 +42,13 @@ TICKETS = PREFIX + "tickets"
 TOGETHER_SECONDS = 2.0     # how long an asker waits to see whether every rank asks too
 WAIT_SECONDS = 60.0        # the longest an asker waits for the parts served
 POLL_SECONDS = 0.05        # how often a service thread looks for new requests
+
+
+def serving_key(rank):
+    """Set while ``rank``'s service thread runs: a rank that said it stopped (agreement.py's
+    ``closed``, published as ``disable()`` begins) still serves until its sharded optimizers
+    have given their state back."""
+    return f"{PREFIX}serving/{rank}"
 
 
 class ShardedStateError(RuntimeError):
@@ -95,9 +105,15 @@ class ShardService:
                 if store is None:
                     return
                 self._seen = int(store.add(TICKETS, 0))
+                store.set(serving_key(dist.rank()), b"1")
                 self._thread = threading.Thread(target=self._serve, args=(store,), daemon=True,
                                                 name="autopatch-shard-service")
                 self._thread.start()
+
+    def store_while_serving(self):
+        """The job's store while the service thread runs, else None."""
+        thread = self._thread
+        return job_store() if thread is not None and thread.is_alive() else None
 
     def unregister(self, ranks, number, read):
         with self._lock:
@@ -153,7 +169,8 @@ class ShardService:
                 if len(parts) == len(replies):
                     break
                 waiting = [r for r in replies if r not in parts]
-                if any(store.check([agreement.closed_key(r)]) for r in waiting):
+                if any(store.check([agreement.closed_key(r)]) and not store.check([serving_key(r)])
+                       for r in waiting):
                     raise ShardedStateError(f"{what}: rank(s) {waiting} stopped (autopatch disabled or the "
                                             "process ended) before serving their share of the state")
                 if time.monotonic() > deadline:
@@ -175,6 +192,7 @@ class ShardService:
                     del self._readers[key]          # optimizers freed
                 if not self._readers:
                     self._thread = None
+                    _forget(store, [serving_key(me)])
                     return
             try:
                 last = int(store.add(TICKETS, 0))
@@ -220,3 +238,14 @@ class ShardService:
 
 
 SERVICE = ShardService()
+
+
+@atexit.register
+def _no_longer_serving():
+    """The service thread (a daemon) ends with the process: say so, for an asker still waiting."""
+    try:
+        store = SERVICE.store_while_serving()
+        if store is not None:
+            _forget(store, [serving_key(dist.rank())])
+    except Exception:       # the job's store or group went first: nobody is left to tell
+        pass
