@@ -110,5 +110,13 @@ class ShardExchange:
         """Why the ranks may step unevenly from now on (a Join context), or None."""
         return f"{JOINED} from now on" if any(model.uneven for model in self.models) else None
 
+    def why_not_in_backward(self):
+        """Why shares may not be updated inside backward, or None. With
+        ``find_unused_parameters`` a run may miss a gradient in a later step, found only at
+        ``step()``, after part of it was updated."""
+        if any(model.reducer is not None and model.reducer.find_unused for model in self.models):
+            return "a DDP model has find_unused_parameters=True: a run may miss a gradient after part of it is updated"
+        return None
+
     def describe(self):
         return {"ranks": self.world, "rank": self.rank}

@@ -69,14 +69,19 @@ class MultiLayerStep(PlannedStrategy):
             if not fused:
                 continue
             for run in fused:
-                run.grads.bind(run.own)
-            self.lists.put(group, [run.chunks[ci] for run in fused for ci in run.own] + unfused + plan.rest)
+                run.grads.bind(self.chunks_to_step(run))
+            self.lists.put(group, [run.chunks[ci] for run in fused for ci in self.chunks_to_step(run)]
+                           + unfused + plan.rest)
             for run in fused:
-                for ci in run.own:
+                for ci in self.chunks_to_step(run):
                     self.opt.state[run.chunks[ci]] = run.chunk_states[ci]
             self.swapped.append((gi, fused))
         if self.swapped:
             self.fused_steps += 1
+
+    def chunks_to_step(self, run):
+        """The chunks of ``run`` that ``step()`` updates: those this process owns (all, unsharded)."""
+        return run.own
 
     def restore(self):
         """Put the user's params back and keep per-parameter state in step with the flat state."""

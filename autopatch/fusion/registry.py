@@ -2,8 +2,8 @@
 
 An optimizer over DTensors (FSDP2, tensor parallel) steps its plain local shards under
 ``multi_layer`` (backward and forward are refused for it before this is asked); one whose state
-is sharded across ranks steps its share of the flat buffers under ``multi_layer``; every other
-optimizer gets the flat-buffer strategy of its mode.
+is sharded across ranks steps its share of the flat buffers under ``multi_layer`` and
+``backward``; every other optimizer gets the flat-buffer strategy of its mode.
 """
 
 import weakref
@@ -14,6 +14,7 @@ from .flattenable import holds_dtensors
 from .forward import ForwardFusion
 from .local_shards import LocalShardStep
 from .multi_layer import MultiLayerStep
+from .sharding.sharded_backward import ShardedBackward
 from .sharding.sharded_step import ShardedStep
 
 
@@ -36,7 +37,8 @@ def build(mode, opt, chunk_bytes, *, owned_storages, route, averaged_by=None, st
     stepped (routes.py); ``averaged_by``: across processes, what tells backward fusion that a
     bucket's gradients are averaged; ``strict``: backward fusion raises on accumulation (the user
     named the mode) instead of stepping the rest unfused and saying why; ``shard``: under
-    multi_layer, the collectives over the ranks that share the optimizer state (None: unsharded).
+    multi_layer and backward, the collectives over the ranks that share the optimizer state
+    (None: unsharded).
     """
     strategy = _strategy(mode, opt, chunk_bytes, owned_storages, route, averaged_by, strict, shard)
     _built[strategy] = (weakref.ref(opt), mode)
@@ -53,6 +55,9 @@ def _strategy(mode, opt, chunk_bytes, owned_storages, route, averaged_by, strict
     if mode == FORWARD:
         return ForwardFusion(opt, chunk_bytes, owned_storages=owned_storages, route=route)
     if mode == BACKWARD:
+        if shard is not None:
+            return ShardedBackward(opt, chunk_bytes, shard, averaged_by, owned_storages=owned_storages,
+                                   strict=strict)
         return BackwardFusion(opt, chunk_bytes, owned_storages=owned_storages, averaged_by=averaged_by,
                               strict=strict, route=route)
     raise ValueError(f"no strategy runs mode {mode!r}")

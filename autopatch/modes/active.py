@@ -23,7 +23,7 @@ class ActiveMode:
         strategies in mode forward (modes/forward_reads.py); ``averager(opt)``: across processes,
         what averages ``opt``'s gradients inside backward; ``route_of()``: how fused chunks are
         stepped (fusion/routes.py, chosen at the first step); ``shard_of()``: the collectives over
-        the ranks sharing its state under multi_layer, or None (unsharded); ``on_switch()`` after every
+        the ranks sharing its state under multi_layer and backward, or None (unsharded); ``on_switch()`` after every
         activation; ``on_fall_back()`` once autopatch gave this optimizer up."""
         self.qualname = qualname
         self.chunk_setting = chunk_setting
@@ -66,7 +66,7 @@ class ActiveMode:
         if self.chunk_bytes is None:
             self.chunk_bytes = chunk_bytes_for(opt, self.chunk_setting)
         averaged_by = self.averager(opt) if mode == BACKWARD and dist.world_size() > 1 else None
-        shard = self.shard_of() if mode == MULTI_LAYER else None
+        shard = self.shard_of() if mode in (MULTI_LAYER, BACKWARD) else None
         return registry.build(mode, opt, self.chunk_bytes, owned_storages=self.owned_storages,
                               route=self.route_of(), averaged_by=averaged_by, strict=strict, shard=shard)
 

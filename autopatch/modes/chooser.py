@@ -15,10 +15,11 @@ decision with its reason.
   is decided.
 
 Under ``fusion.shard`` an optimizer the probe accepts, in a job whose DDP models allow it, runs
-``multi_layer`` over this rank's share of the state from its first step on (the one mode that
-shards it; mode auto does not leave its first steps unpatched then, which would make the whole
-state on every rank, nor measure, and the watch is not needed); else ``shard_refusal`` says why
-not, and the rest runs as without the setting.
+``multi_layer`` over this rank's share of the state from its first step on (mode auto does not
+leave its first steps unpatched then, which would make the whole state on every rank, nor
+measure). Only a policy naming ``backward`` is watched: where every rank's watch allows it and
+autopatch's allreduce averages the gradients, the shares are then updated inside backward.
+Else ``shard_refusal`` says why not, and the rest runs as without the setting.
 
 Autotune may also switch the mode at run time; ``chosen_by`` says who set the mode in effect.
 """
@@ -31,7 +32,7 @@ import torch
 
 from .. import agreement, dist
 from ..fusion.routes import choose as choose_route
-from ..vocabulary import AUTO, MULTI_LAYER, OFF, WATCHED_MODES
+from ..vocabulary import AUTO, BACKWARD, MULTI_LAYER, OFF, WATCHED_MODES
 from .auto import AutoMode
 from .watch import CLOSURE, Observation
 
@@ -161,15 +162,20 @@ class ModeChooser:
         ruled_out = []
         for mode in (self.requested, MULTI_LAYER):
             why = self.eligibility.why_not(opt, mode)
+            if mode == BACKWARD and self.shard is not None:
+                why = self._everywhere(why)
             if why is None:
                 detail = f" ({'; '.join(ruled_out)})" if ruled_out else ""
+                if self.shard is not None:
+                    detail += f"; optimizer state sharded over {self.shard.world} ranks (fusion.shard)"
                 return Decision(mode, f"chose {mode} after watching {obs.steps} steps{detail}; "
                                       f"{self.probe_note()}", strict=True)
             ruled_out.append(f"not {mode}: {why}")
         return None
 
     def _sharded(self, opt):
-        """multi_layer over this rank's share of the state, when the job allows it; else None."""
+        """multi_layer over this rank's share of the state, when the job allows it (backward named
+        and allowed: while the first steps are watched); else None."""
         self.shard, why = self.eligibility.shard_exchange(opt)
         if self.shard is None:
             self.shard_refusal = why
@@ -178,8 +184,26 @@ class ModeChooser:
         self.chosen_by = "policy"
         how = {AUTO: "auto runs multi_layer, the mode that shards it, without measuring",
                MULTI_LAYER: "multi_layer"}.get(self.requested, f"multi_layer: {self.requested} does not shard it")
+        if self.requested == BACKWARD:
+            why_not = self.eligibility.check(opt, BACKWARD) or self.shard.why_not_in_backward()
+            if why_not is None:
+                n = self.fusion.observe_steps
+                self.observation = Observation(opt, n)
+                self.phase = WATCHING
+                how = f"backward: multi_layer while watching the first {n} steps"
+            else:
+                how = f"multi_layer: backward cannot update shares inside backward here ({why_not})"
         return Decision(MULTI_LAYER, f"optimizer state sharded over {self.shard.world} ranks (fusion.shard): "
                                      f"{how}; {self.probe_note()}")
+
+    def _everywhere(self, why):
+        """Sharded ranks leave multi_layer together (leaving it gathers the state, a collective):
+        backward only where every rank's watch allows it."""
+        try:
+            verdicts = agreement.gather(f"sharded backward of {self.qualname}", why, self.shard.group)
+        except Exception as e:
+            return f"the ranks could not agree on it ({e})"
+        return why or next((f"ruled out on another rank: {w}" for w in verdicts if w), None)
 
     # -- mode auto ----------------------------------------------------------------------------------
     def _autotune_modes(self):

@@ -91,12 +91,42 @@ def test_a_join_context_gives_the_state_back_before_ranks_step_unevenly(sharded)
         assert got["shard"]["unshards"] == 1 and got["shard"]["gathered_steps"] == 2, got
 
 
-def test_mode_backward_named_runs_sharded_multi_layer_and_says_why(sharded):
+def test_mode_backward_over_ddps_own_reducer_runs_sharded_multi_layer_and_says_why(sharded):
     world, results = sharded
     for rank, res in results.items():
         got = res["backward_named"]
         assert got["differs"] is None and got["mode"] == "multi_layer", got
-        assert "backward does not shard it" in got["reason"] and got["shard"]["active"] is True, got
+        assert "backward cannot update shares inside backward here" in got["reason"], got
+        assert "not all of them by autopatch's allreduce" in got["reason"] and got["shard"]["active"] is True, got
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_mode_backward_updates_each_share_inside_backward_under_autopatchs_allreduce(sharded, name):
+    """After the watch, every rank updates the chunks of its share as their gradients are averaged:
+    weights, losses and the gathered state equal the sharded multi_layer run's under the same
+    allreduce bit for bit (and unpatched DDP's at two ranks, where that allreduce sums as DDP's)."""
+    world, results = sharded
+    for rank, res in results.items():
+        got = res["backward_sharded"][name]
+        assert got["differs"] is None, (world, rank, got)
+        assert world > 2 or got["differs_from_ddp"] is None, (rank, got)
+        assert got["mode"] == "backward" and f"sharded over {world} ranks" in got["reason"], got
+        assert got["shard"]["active"] is True and got["shard"]["unshards"] == 0, got
+        # 8 steps: 3 sharded multi_layer while watched (the switch's step included), then the
+        # first backward step plans and updates at step(), the next 4 inside backward
+        assert got["shard"]["gathered_steps"] == 5 and got["in_backward"] > 0, got
+        assert got["in_backward"] % 4 == 0, got
+
+
+def test_state_dict_on_rank_0_alone_under_mode_backward_is_served_while_the_others_update_inside_backward(sharded):
+    """Rank 0 alone saves after a step whose shares were updated inside backward, and at the last
+    step, while the other ranks go on (or disable); it gets the state the sharded multi_layer run
+    under the same allreduce gives it."""
+    world, results = sharded
+    for rank, res in results.items():
+        got = res["backward_sharded"]["state_dict_on_one_rank"]
+        assert got["differs"] is None, (world, rank, got)
+        assert got["served"] == (2 if rank == 0 else 0), got
 
 
 def test_what_cannot_be_sharded_stays_unsharded_with_the_reason(sharded):

@@ -153,6 +153,7 @@ def suite():
     res["replan_mid_run"] = mid_run(adamw, ref, new_chunk_size)
     res["join"] = join_uneven(adamw)
     res["backward_named"] = backward_named(adamw)
+    res["backward_sharded"] = backward_sharded()
     res["refused"] = refused()
     res["distributed_checkpoint"] = distributed_checkpoint(adamw)
     res["state_dict_on_one_rank"] = state_dict_on_one_rank(adamw)
@@ -201,7 +202,8 @@ def join_uneven(make):
 
 
 def backward_named(make):
-    """Mode backward does not shard: multi_layer runs sharded, and the reason says so."""
+    """Mode backward over DDP's own reducer (the default) cannot update shares inside backward:
+    multi_layer runs sharded, and the reason says so."""
     ref = train(make, range(HALF))
     sharded(mode="backward")
     try:
@@ -209,6 +211,39 @@ def backward_named(make):
         return dict(report_of(), differs=differs(got, ref))
     finally:
         autopatch.disable()
+
+
+OURS = {"allreduce": {"enabled": True}}     # autopatch's allreduce runs DDP's gradient sync
+BACKWARD_SHARDED = dict(OURS, mode="backward", fusion={"shard": True, "observe_steps": 2})
+
+
+def backward_sharded():
+    """Mode backward with autopatch's allreduce running the sync: after the watch, each rank's
+    share is updated inside backward. Compared with the sharded multi_layer run under the same
+    allreduce, and at two ranks (where that allreduce sums as DDP does) with unpatched DDP; then
+    rank 0 alone asks for the state mid-run, while the others have it served."""
+    out, steps, ours = {}, range(8), OURS
+    for name, make in OPTIMIZERS.items():
+        ddp = train(make, steps)
+        sharded(mode="multi_layer", **ours)
+        try:
+            ref = train(make, steps)
+        finally:
+            autopatch.disable()
+        dist.barrier()
+        sharded(**BACKWARD_SHARDED)
+        try:
+            got = train(make, steps)
+            fusion = autopatch.report()["optimizers"][0]["fusion"]
+            out[name] = dict(report_of(), differs=differs(got, ref), differs_from_ddp=differs(got, ddp),
+                             in_backward=fusion.get("chunk_updates_in_backward"), held=got[3])
+        finally:
+            autopatch.disable()
+        dist.barrier()
+    out["state_dict_on_one_rank"] = state_dict_on_one_rank(
+        OPTIMIZERS["adamw"], policy=BACKWARD_SHARDED, ref_policy=dict(SHARD, mode="multi_layer", **OURS),
+        steps=8, saves=(4, 7))
+    return out
 
 
 def refused():
@@ -280,21 +315,24 @@ def distributed_checkpoint(make):
     return out
 
 
-def state_dict_on_one_rank(make):
+def state_dict_on_one_rank(make, policy=None, ref_policy=None, steps=STEPS, saves=(HALF - 1, STEPS - 1)):
     """The checkpoint of most DDP scripts: rank 0 alone asks for ``opt.state_dict()`` mid-run and
-    at the end (``if rank == 0: torch.save(...)``) while the other ranks train on; unpatched, then
-    sharded. {"differs": None or how the sharded run's losses, weights or any state dict rank 0
-    saved differ from unpatched, "served": state_dict() calls rank 0 had served}"""
-    def run(shard):
+    at the end (``if rank == 0: torch.save(...)``) while the other ranks train on; under
+    ``ref_policy`` (None: unpatched), then sharded under ``policy`` (None: multi_layer).
+    {"differs": None or how the sharded run's losses, weights or any state dict rank 0 saved
+    differ from the first run's, "served": state_dict() calls rank 0 had served}"""
+    def run(shard, policy):
         if shard:
-            sharded(mode="multi_layer")
+            sharded(**(policy or {"mode": "multi_layer"}))
+        elif policy:
+            autopatch.enable(**policy)
         try:
             model = nn.parallel.DistributedDataParallel(net())
             opt = make(model.parameters())
             losses, saved = [], {}
-            for step in range(STEPS):
+            for step in range(steps):
                 losses.append(train_step(model, opt, step))
-                if RANK == 0 and step in (HALF - 1, STEPS - 1):
+                if RANK == 0 and step in saves:
                     saved[step] = copy.deepcopy(opt.state_dict())
             served = report_of()["shard"]["state_dicts_served"] if shard else 0
             return losses, [p.detach().clone() for p in model.parameters()], saved, served
@@ -302,7 +340,7 @@ def state_dict_on_one_rank(make):
             autopatch.disable()
             dist.barrier()
 
-    ref, got = run(False), run(True)
+    ref, got = run(False, ref_policy), run(True, policy)
     why = None
     for step in ref[2]:
         why = why or differs((got[0], got[1], got[2][step]), (ref[0], ref[1], ref[2][step]))
@@ -312,26 +350,30 @@ def state_dict_on_one_rank(make):
 def store_growth(make, calls=5):
     """What ``state_dict()`` leaves in the job's store: keys added by ``calls`` calls on every
     rank at once, then by ``calls`` calls on rank 0 alone (the others wait at a barrier, served
-    by their service threads). {"every_rank": added, "rank_0": added}"""
+    by their service threads). Each count is read between two barriers, while no rank is doing
+    anything else. {"every_rank": added, "rank_0": added}"""
     from autopatch.job_store import job_store
     store = job_store()
+
+    def keys():
+        dist.barrier()
+        n = store.num_keys()
+        dist.barrier()
+        return n
     sharded(mode="multi_layer")
     try:
         model = nn.parallel.DistributedDataParallel(net())
         opt = make(model.parameters())
         for step in range(2):
             train_step(model, opt, step)
-        dist.barrier()
-        before = store.num_keys()
+        before = keys()
         for _ in range(calls):
             opt.state_dict()
-        dist.barrier()
-        every = store.num_keys()
+        every = keys()
         for _ in range(calls):
             if RANK == 0:
                 opt.state_dict()
-        dist.barrier()
-        return {"every_rank": every - before, "rank_0": store.num_keys() - every}
+        return {"every_rank": every - before, "rank_0": keys() - every}
     finally:
         autopatch.disable()
         dist.barrier()
