@@ -161,7 +161,7 @@ class ModeChooser:
             return None                   # multi_layer named: the watch was for autotune
         ruled_out = []
         for mode in (self.requested, MULTI_LAYER):
-            why = self.eligibility.why_not(opt, mode)
+            why = self.why_not(opt, mode)
             if mode == BACKWARD and self.shard is not None:
                 why = self._everywhere(why)
             if why is None:
@@ -196,6 +196,17 @@ class ModeChooser:
         return Decision(MULTI_LAYER, f"optimizer state sharded over {self.shard.world} ranks (fusion.shard): "
                                      f"{how}; {self.probe_note()}")
 
+    def why_not(self, opt, mode):
+        """None when this run may use ``mode`` now, else why not."""
+        return self.eligibility.why_not(opt, mode) or self.why_not_sharded(mode)
+
+    def why_not_sharded(self, mode):
+        """With the state sharded, what rules ``mode`` out beyond the eligibility's checks: backward
+        also needs what updating shares inside backward needs. None else."""
+        if mode == BACKWARD and self.shard is not None:
+            return self.shard.why_not_in_backward()
+        return None
+
     def _everywhere(self, why):
         """Sharded ranks leave multi_layer together (leaving it gathers the state, a collective):
         backward only where every rank's watch allows it."""
@@ -227,12 +238,12 @@ class ModeChooser:
         self.chosen_by = AUTO
         self.phase = SETTLED
         if not self.auto.can_measure:
-            keep = current if self.eligibility.why_not(opt, current) is None else OFF
+            keep = current if self.why_not(opt, current) is None else OFF
             return Decision(keep, f"auto kept {keep}: it has measured {len(self.auto.history)} "
                                   f"times in this run already ({why})")
         allowed, ruled_out = [], {}
         for mode in self.auto.candidates:
-            reason = self.eligibility.why_not(opt, mode)
+            reason = self.why_not(opt, mode)
             if reason:
                 ruled_out[mode] = reason
             else:

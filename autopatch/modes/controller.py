@@ -76,7 +76,7 @@ class OptimizerController:
     def why_not(self, mode):
         """None when this run may use ``mode`` now, else why not."""
         opt = self.ref()
-        return "the optimizer was freed" if opt is None else self.eligibility.why_not(opt, mode)
+        return "the optimizer was freed" if opt is None else self.chooser.why_not(opt, mode)
 
     def set_mode(self, mode):
         """Switch between steps; lossless by construction. Returns the mode in effect: a mode
@@ -87,7 +87,8 @@ class OptimizerController:
         with guard.fallback(self.active, opt, f"switching to {mode}"):
             if not self.chooser.decided:
                 self._apply(opt, self.chooser.step_begins(opt, None, self.steps, self.mode))
-            if mode != OFF and (mode in self.eligibility.blocked or self.eligibility.check(opt, mode)):
+            if mode != OFF and (mode in self.eligibility.blocked or self.eligibility.check(opt, mode)
+                                or self.chooser.why_not_sharded(mode)):
                 return self.mode
             self.chooser.switched_by_autotune()
             self.active.activate(opt, mode, f"switched to {mode} at run time")

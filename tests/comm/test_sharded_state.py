@@ -118,6 +118,18 @@ def test_mode_backward_updates_each_share_inside_backward_under_autopatchs_allre
         assert got["in_backward"] % 4 == 0, got
 
 
+def test_mode_backward_sharded_stays_multi_layer_on_every_rank_where_one_rank_rules_it_out(sharded):
+    """Rank 0 alone reads the gradients before step(): no rank leaves sharded multi_layer (leaving
+    it gathers the state, a collective), and the others say why. A DDP model finding unused
+    parameters keeps multi_layer too, with the reason."""
+    world, results = sharded
+    for rank, res in results.items():
+        reads, unused = res["backward_sharded"]["ruled_out"].values()
+        assert reads["mode"] == "multi_layer" and reads["shard"]["active"] is True, reads
+        assert ("gradients used between backward and step()" in reads["reason"]) if rank == 0 else ("ruled out on another rank" in reads["reason"]), reads
+        assert unused["mode"] == "multi_layer" and "find_unused_parameters=True" in unused["reason"], unused
+
+
 def test_state_dict_on_rank_0_alone_under_mode_backward_is_served_while_the_others_update_inside_backward(sharded):
     """Rank 0 alone saves after a step whose shares were updated inside backward, and at the last
     step, while the other ranks go on (or disable); it gets the state the sharded multi_layer run

@@ -240,6 +240,7 @@ def backward_sharded():
         finally:
             autopatch.disable()
         dist.barrier()
+    out["ruled_out"] = backward_ruled_out(OPTIMIZERS["adamw"])
     out["state_dict_on_one_rank"] = state_dict_on_one_rank(
         OPTIMIZERS["adamw"], policy=BACKWARD_SHARDED, ref_policy=dict(SHARD, mode="multi_layer", **OURS),
         steps=8, saves=(4, 7))
@@ -312,6 +313,30 @@ def distributed_checkpoint(make):
         out[side] = differs(got, ref)
         if sharded_sides != (side == "save", side == "load"):
             out[side] = f"sharding was not active where asked: (save, load) {sharded_sides}"
+    return out
+
+
+def backward_ruled_out(make):
+    """Sharded backward asked where it must not run: rank 0 alone reads the gradients between
+    backward and step() (its watch rules backward out, so no rank may leave multi_layer), and a
+    DDP model finding unused parameters. {case: the report's mode, reason and shard entry}"""
+    out = {}
+    for case in ("rank_0_reads_grads", "find_unused"):
+        sharded(**BACKWARD_SHARDED)
+        try:
+            model = nn.parallel.DistributedDataParallel(net(), find_unused_parameters=case == "find_unused")
+            opt = make(model.parameters())
+            for step in range(6):
+                x, y = batch(step)
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                if case == "rank_0_reads_grads" and RANK == 0:
+                    torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+                opt.step()
+            out[case] = report_of()
+        finally:
+            autopatch.disable()
+        dist.barrier()
     return out
 
 
