@@ -86,6 +86,7 @@ class ShardService:
         self._lock = threading.Lock()
         self._thread = None
         self._seen = 0                # the last ticket looked at
+        self._serving_in = None       # the store where this rank said it serves (serving_key)
 
     def number(self, ranks):
         """The next exchange's number in the group ``ranks``: every rank makes its exchanges in the
@@ -100,26 +101,47 @@ class ShardService:
         it is not there yet; raises when it is past it)."""
         with self._lock:
             self._readers[(ranks, number)] = weakref.WeakMethod(read)   # never keeps an optimizer alive
+            self._say_serving(True)
             if self._thread is None or not self._thread.is_alive():
                 store = job_store()
                 if store is None:
                     return
                 self._seen = int(store.add(TICKETS, 0))
-                store.set(serving_key(dist.rank()), b"1")
                 self._thread = threading.Thread(target=self._serve, args=(store,), daemon=True,
                                                 name="autopatch-shard-service")
                 self._thread.start()
 
-    def store_while_serving(self):
-        """The job's store while the service thread runs, else None."""
-        thread = self._thread
-        return job_store() if thread is not None and thread.is_alive() else None
+    def _say_serving(self, serving):
+        """Publish (or take back) that this rank serves: from the threads that register and
+        unregister readers, and at exit; never from the service thread, which may still run
+        while the interpreter tears the store down."""
+        if serving == (self._serving_in is not None):
+            return
+        store = job_store() if serving else self._serving_in
+        if store is None:
+            return
+        if serving:
+            store.set(serving_key(dist.rank()), b"1")
+            self._serving_in = store
+        else:
+            _forget(store, [serving_key(dist.rank())])
+            self._serving_in = None
+
+    def at_exit(self):
+        """The service thread (a daemon) ends with the process: say so, for an asker still waiting."""
+        try:
+            with self._lock:
+                self._say_serving(False)
+        except Exception:       # the job's store or group went first: nobody is left to tell
+            pass
 
     def unregister(self, ranks, number, read):
         with self._lock:
             ref = self._readers.get((ranks, number))
             if ref is not None and ref() in (None, read):
                 del self._readers[(ranks, number)]
+            if not any(ref() is not None for ref in self._readers.values()):
+                self._say_serving(False)
 
     # -- the asking rank --------------------------------------------------------------------------
     def together(self, ranks, number, step, what):
@@ -192,7 +214,6 @@ class ShardService:
                     del self._readers[key]          # optimizers freed
                 if not self._readers:
                     self._thread = None
-                    _forget(store, [serving_key(me)])
                     return
             try:
                 last = int(store.add(TICKETS, 0))
@@ -240,12 +261,4 @@ class ShardService:
 SERVICE = ShardService()
 
 
-@atexit.register
-def _no_longer_serving():
-    """The service thread (a daemon) ends with the process: say so, for an asker still waiting."""
-    try:
-        store = SERVICE.store_while_serving()
-        if store is not None:
-            _forget(store, [serving_key(dist.rank())])
-    except Exception:       # the job's store or group went first: nobody is left to tell
-        pass
+atexit.register(SERVICE.at_exit)
