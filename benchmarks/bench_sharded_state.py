@@ -8,7 +8,12 @@ One unchanged DDP script (``--worker``) trains AdamW, started zero-code per cont
   sharded one is built on;
 - ``sharded``: ``FUSEDOPT_ENABLE=1 FUSEDOPT_POLICY=sharded`` (multi_layer with ``fusion.shard``);
 - ``shard_env``: ``FUSEDOPT_ENABLE=1 FUSEDOPT_SHARD=1``, as a user asks for it (the default
-  policy: mode auto, which runs multi_layer sharded from the first step).
+  policy: mode auto, which runs multi_layer sharded from the first step);
+- ``ours_sharded`` and ``backward_sharded``: a policy file with ``allreduce.enabled: true``
+  (autopatch's allreduce runs DDP's gradient sync) and ``fusion.shard``, under mode multi_layer,
+  and under mode backward (each share updated inside backward as its gradients are averaged;
+  ``observe_steps: 2``, so it runs from the third step on). Equal to each other bit for bit; to
+  DDP at two ranks.
 
 Models: ``big``, 5 x Linear(2048, 2048) with ReLU and a 10-way head (80 MiB of float32
 parameters, 160 MiB of AdamW state unsharded, batch 16), and ``mlp``, 4 x Linear(512, 512) with a
@@ -31,16 +36,21 @@ did; sharded jobs also give the seconds rank 0 spent in the broadcasts of the up
 
 import argparse
 import hashlib
+import pathlib
 import statistics
 import sys
+import tempfile
 import time
 
 from harness.launch import failed, run_ranks
 from harness.machine import closing, summary
 
+OURS_SHARDED = "version: 1\nfusion: {{mode: {mode}, shard: true, observe_steps: 2}}\nallreduce: {{enabled: true}}\n"
 CONTENDERS = {"ddp": {}, "multi_layer": {"FUSEDOPT_ENABLE": "1", "FUSEDOPT_MODE": "multi_layer"},
               "sharded": {"FUSEDOPT_ENABLE": "1", "FUSEDOPT_POLICY": "sharded"},
-              "shard_env": {"FUSEDOPT_ENABLE": "1", "FUSEDOPT_SHARD": "1"}}
+              "shard_env": {"FUSEDOPT_ENABLE": "1", "FUSEDOPT_SHARD": "1"},
+              "ours_sharded": {"FUSEDOPT_ENABLE": "1", "FUSEDOPT_POLICY": ("policy", "multi_layer")},
+              "backward_sharded": {"FUSEDOPT_ENABLE": "1", "FUSEDOPT_POLICY": ("policy", "backward")}}
 MODELS = {"big": (2048, 5, 16), "mlp": (512, 4, 32)}     # width, layers, batch
 
 
@@ -93,9 +103,20 @@ def worker(model_name, steps, warmup):
     save_results(out)
 
 
-def run(model, world, name, steps, warmup):
+def environment(name, policy_dir):
+    """The contender's variables, its policy file written into ``policy_dir`` where it has one."""
+    env = dict(CONTENDERS[name])
+    for key, value in env.items():
+        if isinstance(value, tuple):
+            path = pathlib.Path(policy_dir) / f"{name}.yaml"
+            path.write_text(OURS_SHARDED.format(mode=value[1]))
+            env[key] = str(path)
+    return env
+
+
+def run(model, world, name, steps, warmup, policy_dir):
     ranks = run_ranks([__file__, "--worker", model, "--steps", steps, "--warmup", warmup], world,
-                      env=CONTENDERS[name], timeout=1800)
+                      env=environment(name, policy_dir), timeout=1800)
     why = failed(ranks)
     if why:
         sys.exit(f"{name} on {world} ranks failed:\n{why}")
@@ -105,9 +126,10 @@ def run(model, world, name, steps, warmup):
 def compare(model, world, rounds, steps, warmup):
     names = list(CONTENDERS)
     got = {n: [] for n in names}
-    for i in range(rounds):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            got[name].append(run(model, world, name, steps, warmup))
+    with tempfile.TemporaryDirectory() as policy_dir:
+        for i in range(rounds):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                got[name].append(run(model, world, name, steps, warmup, policy_dir))
     mib = 1 / 2**20
     print(f"\n{model}, {world} ranks, {rounds} rounds of {steps} steps ({warmup} warm-up):")
     print(f"  {'contender':12} {'state MiB/rank':>22} {'peak RSS MiB/rank':>24} {'step ms':>8} {'vs ddp':>7}  weights")
@@ -118,6 +140,8 @@ def compare(model, world, rounds, steps, warmup):
         ms = statistics.median(rd[0]["step_ms"] for rd in got[name])
         ratio = statistics.median(rd[0]["step_ms"] / ref[0]["step_ms"] for rd, ref in zip(got[name], got["ddp"]))
         print(f"  {name:12} {states:>22} {peaks:>24} {ms:8.1f} {ratio:7.3f}  {last[0]['weights']}")
+    in_backward = got["backward_sharded"][-1][0].get("mode")
+    print(f"  backward_sharded ran mode {in_backward} on rank 0")
     shard = got["sharded"][-1][0].get("shard") or {}
     if shard.get("ranks"):
         gather_ms = statistics.median(1e3 * rd[0]["shard"]["gather_seconds"] / rd[0]["shard"]["gathered_steps"]
