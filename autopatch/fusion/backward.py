@@ -223,6 +223,8 @@ class BackwardFusion(Strategy):
         self.flush()
         self._arm()
 
+    activated = invalidate
+
     def set_chunk_bytes(self, chunk_bytes):
         self.planner.set_chunk_bytes(min(int(chunk_bytes), BACKWARD_WINDOW))
         if self.armed:          # an inactive mode keeps no hooks: it re-plans when activated

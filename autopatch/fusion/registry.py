@@ -29,7 +29,8 @@ def alive(opt):
     return sorted(mode for ref, mode in list(_built.values()) if ref() is opt)
 
 
-def build(mode, opt, chunk_bytes, *, owned_storages, route, averaged_by=None, strict=False, shard=None):
+def build(mode, opt, chunk_bytes, *, owned_storages, route, averaged_by=None, strict=False, shard=None,
+          shards=None):
     """The strategy running ``opt`` in ``mode``.
 
     ``owned_storages``: the optimizer's flat buffers, shared by every mode it runs in, so the next
@@ -38,26 +39,26 @@ def build(mode, opt, chunk_bytes, *, owned_storages, route, averaged_by=None, st
     bucket's gradients are averaged; ``strict``: backward fusion raises on accumulation (the user
     named the mode) instead of stepping the rest unfused and saying why; ``shard``: under
     multi_layer and backward, the collectives over the ranks that share the optimizer state
-    (None: unsharded).
+    (None: unsharded); ``shards``: what the last sharded mode handed over, taken as it is.
     """
-    strategy = _strategy(mode, opt, chunk_bytes, owned_storages, route, averaged_by, strict, shard)
+    strategy = _strategy(mode, opt, chunk_bytes, owned_storages, route, averaged_by, strict, shard, shards)
     _built[strategy] = (weakref.ref(opt), mode)
     return strategy
 
 
-def _strategy(mode, opt, chunk_bytes, owned_storages, route, averaged_by, strict, shard):
+def _strategy(mode, opt, chunk_bytes, owned_storages, route, averaged_by, strict, shard, shards):
     if mode == MULTI_LAYER:
         if holds_dtensors(opt):
             return LocalShardStep(opt, chunk_bytes)
         if shard is not None:
-            return ShardedStep(opt, chunk_bytes, shard, owned_storages=owned_storages)
+            return ShardedStep(opt, chunk_bytes, shard, owned_storages=owned_storages, shards=shards)
         return MultiLayerStep(opt, chunk_bytes, owned_storages=owned_storages, route=route)
     if mode == FORWARD:
         return ForwardFusion(opt, chunk_bytes, owned_storages=owned_storages, route=route)
     if mode == BACKWARD:
         if shard is not None:
             return ShardedBackward(opt, chunk_bytes, shard, averaged_by, owned_storages=owned_storages,
-                                   strict=strict)
+                                   strict=strict, shards=shards)
         return BackwardFusion(opt, chunk_bytes, owned_storages=owned_storages, averaged_by=averaged_by,
                               strict=strict, route=route)
     raise ValueError(f"no strategy runs mode {mode!r}")

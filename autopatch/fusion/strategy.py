@@ -49,6 +49,15 @@ class Strategy(Protocol):
     def set_chunk_bytes(self, chunk_bytes):
         """Use chunks of about ``chunk_bytes`` from the next update on."""
 
+    def activated(self):
+        """Just built as the active mode, between two steps: get ready for the next backward."""
+
+    def hand_over(self, exchange):
+        """Before ``deactivate()``, when the next mode shards the state over ``exchange`` too:
+        what it may take as it is (sharded_step.py's ``Shards``), or None to gather the state
+        back as usual."""
+        return None
+
     def describe(self):
         """The report's ``fusion`` entry: the plan's layout keys and this mode's counters."""
 

@@ -47,14 +47,18 @@ class ActiveMode:
         buffers go with it; the params and the state stay where they lie and the next mode's plan
         adopts them in place. ``strict``: backward fusion raises on accumulation (the user named
         the mode) instead of stepping the rest unfused and saying so."""
+        shards = None
         if self.strategy is not None:
+            shard = self.shard_of() if mode in (MULTI_LAYER, BACKWARD) else None
+            if shard is not None:       # sharded in both modes: the shards stay where they are
+                shards = self.strategy.hand_over(shard)
             self.strategy.deactivate()
             self.forward_reads.untrack(self.strategy)
-        self.strategy = None if mode == OFF else self._build(opt, mode, strict)
+        self.strategy = None if mode == OFF else self._build(opt, mode, strict, shards)
         if mode == FORWARD:
             self.forward_reads.track(self.strategy)
-        elif mode == BACKWARD:
-            self.strategy.invalidate()    # arm the gradient hooks before the next backward
+        if self.strategy is not None:
+            self.strategy.activated()     # backward: the gradient hooks armed before the next backward
         self.mode, self.reason = mode, reason
         self.on_switch()
 
@@ -62,13 +66,14 @@ class ActiveMode:
         """The mode stays; its reason changes."""
         self.reason = reason
 
-    def _build(self, opt, mode, strict):
+    def _build(self, opt, mode, strict, shards=None):
         if self.chunk_bytes is None:
             self.chunk_bytes = chunk_bytes_for(opt, self.chunk_setting)
         averaged_by = self.averager(opt) if mode == BACKWARD and dist.world_size() > 1 else None
         shard = self.shard_of() if mode in (MULTI_LAYER, BACKWARD) else None
         return registry.build(mode, opt, self.chunk_bytes, owned_storages=self.owned_storages,
-                              route=self.route_of(), averaged_by=averaged_by, strict=strict, shard=shard)
+                              route=self.route_of(), averaged_by=averaged_by, strict=strict, shard=shard,
+                              shards=shards)
 
     def chunk_bytes_in_use(self, opt):
         """What the strategy steps with, else what the next one would be asked for."""

@@ -25,8 +25,9 @@ from .sharded_step import ShardedStep
 
 
 class ShardedBackward(ShardedStep):
-    def __init__(self, optimizer, chunk_bytes, exchange, averaged_by, owned_storages=None, strict=True):
-        super().__init__(optimizer, chunk_bytes, exchange, owned_storages=owned_storages)
+    def __init__(self, optimizer, chunk_bytes, exchange, averaged_by, owned_storages=None, strict=True,
+                 shards=None):
+        super().__init__(optimizer, chunk_bytes, exchange, owned_storages=owned_storages, shards=shards)
         self.averaged_by = averaged_by
         self.strict = strict
         self.unsafe = None
@@ -131,6 +132,10 @@ class ShardedBackward(ShardedStep):
 
     def after_step(self):
         super().after_step()
+        self._arm()
+
+    def activated(self):
+        """Shards handed over arm at once: the very next backward updates them."""
         self._arm()
 
     def deactivate(self):

@@ -25,6 +25,7 @@ broadcasts): that optimizer goes on unsharded.
 """
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -35,11 +36,26 @@ from .whole_state import gather_state, local_part, served_state
 PARTIAL = "some parameters of a run had no gradient while others had (they are skipped, unsharded)"
 
 
+@dataclass
+class Shards:
+    """What one sharded mode hands the next as it is (multi_layer and backward cut the runs
+    alike), so that a switch between them gathers nothing: the plan with its runs and their
+    state, the runs sharded, and the counts the report and the service go on from."""
+    planner: FlatPlanner
+    sharded: list
+    ended_runs: list
+    counts: dict
+
+
+COUNTS = ("received_bytes", "gathered_steps", "gather_seconds", "unshards", "served")
+
+
 class ShardedStep(MultiLayerStep):
-    def __init__(self, optimizer, chunk_bytes, exchange, owned_storages=None):
-        """``exchange``: the collectives over the ranks that share the state (comm/shard_exchange.py)."""
-        planner = FlatPlanner(optimizer, chunk_bytes, owned_storages=owned_storages,
-                              share=(exchange.rank, exchange.world))
+    def __init__(self, optimizer, chunk_bytes, exchange, owned_storages=None, shards=None):
+        """``exchange``: the collectives over the ranks that share the state (comm/shard_exchange.py);
+        ``shards``: what the last sharded mode handed over (``hand_over``), or None."""
+        planner = shards.planner if shards is not None else \
+            FlatPlanner(optimizer, chunk_bytes, owned_storages=owned_storages, share=(exchange.rank, exchange.world))
         super().__init__(optimizer, chunk_bytes, planner=planner)
         self.exchange = exchange
         self.sharded = []            # the runs whose state is sharded now
@@ -56,7 +72,22 @@ class ShardedStep(MultiLayerStep):
         # told apart.
         self._ended_runs = []
         self._changes = 0
+        if shards is not None:
+            self.sharded, self._ended_runs = shards.sharded, shards.ended_runs
+            for name, value in shards.counts.items():
+                setattr(self, name, value)
         exchange.serve(self.part_at)
+
+    def hand_over(self, exchange):
+        """The shards as they are, for the next mode sharding over the same ``exchange``; this
+        strategy then holds nothing sharded (its ``deactivate()`` gathers nothing)."""
+        if exchange is not self.exchange or not self.sharded or self.lists or self.planner.needs_plan():
+            return None
+        shards = Shards(self.planner, self.sharded, self._ended_runs,
+                        {name: getattr(self, name) for name in COUNTS})
+        self.layout = self._layout()
+        self.sharded = []
+        return shards
 
     def swap_in(self):
         if self.lists:
