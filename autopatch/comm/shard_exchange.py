@@ -92,6 +92,10 @@ class ShardExchange:
         ``step``, for a rank that asks alone (None while this rank is not there yet)."""
         SERVICE.register(tuple(self.ranks), self.number, read)
 
+    def keep_serving(self, step, parts):
+        """The optimizer was freed: serve ``parts``, this rank's as of the end of ``step``, still."""
+        SERVICE.keep(tuple(self.ranks), self.number, step, parts)
+
     def stop_serving(self, read):
         """``read`` serves no more (a newer reader of the same optimizer stays)."""
         SERVICE.unregister(tuple(self.ranks), self.number, read)

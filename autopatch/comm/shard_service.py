@@ -44,6 +44,11 @@ WAIT_SECONDS = 60.0        # the longest an asker waits for the parts served
 POLL_SECONDS = 0.05        # how often a service thread looks for new requests
 
 
+def exiting_key(rank):
+    """Set once ``rank``'s process is exiting (``ShardService.at_exit``)."""
+    return f"{PREFIX}exiting/{rank}"
+
+
 def serving_key(rank):
     """Set while ``rank``'s service thread runs: a rank that said it stopped (agreement.py's
     ``closed``, published as ``disable()`` begins) still serves until its sharded optimizers
@@ -87,6 +92,9 @@ class ShardService:
         self._thread = None
         self._seen = 0                # the last ticket looked at
         self._serving_in = None       # the store where this rank said it serves (serving_key)
+        self._groups = set()          # the groups' ranks this process sharded state over
+        self._kept = {}               # (group's ranks, number) -> (step, parts) of a freed optimizer
+        self._stopping = False        # at exit: the service thread ends at its next poll
 
     def number(self, ranks):
         """The next exchange's number in the group ``ranks``: every rank makes its exchanges in the
@@ -101,15 +109,31 @@ class ShardService:
         it is not there yet; raises when it is past it)."""
         with self._lock:
             self._readers[(ranks, number)] = weakref.WeakMethod(read)   # never keeps an optimizer alive
-            self._say_serving(True)
-            if self._thread is None or not self._thread.is_alive():
-                store = job_store()
-                if store is None:
-                    return
-                self._seen = int(store.add(TICKETS, 0))
-                self._thread = threading.Thread(target=self._serve, args=(store,), daemon=True,
-                                                name="autopatch-shard-service")
-                self._thread.start()
+            self._kept = {key: v for key, v in self._kept.items() if key[0] != ranks}   # a newer one
+            self._groups.add(ranks)
+            self._start()
+
+    def keep(self, ranks, number, step, parts):
+        """A freed optimizer's ``parts`` as of the end of ``step`` (its reader is gone): served
+        until the process exits or a newer optimizer shards over the same group, so a rank that
+        saves alone after the others' optimizers went (a script's ``main()`` returned) still gets
+        them. One per group: what the rank held while the optimizer lived, at most."""
+        with self._lock:
+            self._kept = {key: v for key, v in self._kept.items() if key[0] != ranks}
+            self._kept[(ranks, number)] = (step, parts)
+            self._start()
+
+    def _start(self):
+        """Say this rank serves, and run the service thread (under the lock)."""
+        self._say_serving(True)
+        if self._thread is None or not self._thread.is_alive():
+            store = job_store()
+            if store is None:
+                return
+            self._seen = int(store.add(TICKETS, 0))
+            self._thread = threading.Thread(target=self._serve, args=(store,), daemon=True,
+                                            name="autopatch-shard-service")
+            self._thread.start()
 
     def _say_serving(self, serving):
         """Publish (or take back) that this rank serves: from the threads that register and
@@ -128,8 +152,26 @@ class ShardService:
             self._serving_in = None
 
     def at_exit(self):
-        """The service thread (a daemon) ends with the process: say so, for an asker still waiting."""
+        """At exit, a rank of a group that sharded state says so and, while it still serves,
+        goes on serving until every other rank of those groups is exiting too, at most
+        ``WAIT_SECONDS``: the usual last checkpoint, ``state_dict()`` on rank 0 after the last
+        step, needs the others' shares after they have left their loops. Then the service thread
+        ends, before the interpreter tears the store down under it."""
         try:
+            store = self._serving_in or (job_store() if self._groups else None)
+            if store is None:
+                return
+            me = dist.rank()
+            store.set(exiting_key(me), b"1")
+            others = {r for ranks in self._groups for r in ranks if r != me}
+            deadline = time.monotonic() + WAIT_SECONDS
+            while self._serving_in is not None and others and time.monotonic() < deadline:
+                time.sleep(POLL_SECONDS)
+                others = {r for r in others if not store.check([exiting_key(r)])}
+            self._stopping = True
+            thread = self._thread
+            if thread is not None:
+                thread.join(timeout=1.0)
             with self._lock:
                 self._say_serving(False)
         except Exception:       # the job's store or group went first: nobody is left to tell
@@ -140,7 +182,7 @@ class ShardService:
             ref = self._readers.get((ranks, number))
             if ref is not None and ref() in (None, read):
                 del self._readers[(ranks, number)]
-            if not any(ref() is not None for ref in self._readers.values()):
+            if not self._kept and not any(ref() is not None for ref in self._readers.values()):
                 self._say_serving(False)
 
     # -- the asking rank --------------------------------------------------------------------------
@@ -212,7 +254,7 @@ class ShardService:
             with self._lock:
                 for key in [k for k, ref in self._readers.items() if ref() is None]:
                     del self._readers[key]          # optimizers freed
-                if not self._readers:
+                if (not self._readers and not self._kept) or self._stopping:
                     self._thread = None
                     return
             try:
@@ -246,7 +288,13 @@ class ShardService:
         while True:
             with self._lock:
                 ref = self._readers.get((ranks, number))
+                kept = self._kept.get((ranks, number))
             read = None if ref is None else ref()
+            if read is None and kept is not None:
+                if kept[0] != step:
+                    raise ShardedStateError(f"rank {dist.rank()} kept the state of sharded step {kept[0]} "
+                                            f"of a freed optimizer, not of step {step}")
+                return kept[1]
             if read is None:
                 raise ShardedStateError(f"rank {dist.rank()} shards no such optimizer any more "
                                         "(autopatch was disabled there, or it left sharding)")

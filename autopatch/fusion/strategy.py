@@ -52,6 +52,9 @@ class Strategy(Protocol):
     def activated(self):
         """Just built as the active mode, between two steps: get ready for the next backward."""
 
+    def outlived(self):
+        """Its optimizer was freed; the strategy goes next (nothing can be applied any more)."""
+
     def hand_over(self, exchange):
         """Before ``deactivate()``, when the next mode shards the state over ``exchange`` too:
         what it may take as it is (sharded_step.py's ``Shards``), or None to gather the state

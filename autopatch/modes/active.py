@@ -196,6 +196,7 @@ class ActiveMode:
         the report), let the strategy and its flat buffers, which hold the parameters, go;
         nothing is applied, there is nothing to apply to."""
         if self.strategy is not None:
+            self.strategy.outlived()
             self.final_fusion = self.strategy.describe()
             self.forward_reads.untrack(self.strategy)
         self.strategy = None

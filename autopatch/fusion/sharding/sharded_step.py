@@ -135,6 +135,12 @@ class ShardedStep(MultiLayerStep):
         parts = [local_part(run) for run in runs]
         return parts if self._changes == before else None
 
+    def outlived(self):
+        """The optimizer was freed (a script's ``main()`` returned): this rank's parts as of the
+        last step stay servable, for a rank that saves alone after it (the usual last checkpoint)."""
+        if self._ended_runs and not self._changes % 2 and not self.lists:
+            self.exchange.keep_serving(self.gathered_steps, [local_part(run) for run in self._ended_runs])
+
     def deactivate(self):
         """Gather the state back (a collective); a rank that asked alone meanwhile is still served:
         the other ranks' unshard waits for it."""
