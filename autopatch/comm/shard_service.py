@@ -92,6 +92,7 @@ class ShardService:
         self._thread = None
         self._seen = 0                # the last ticket looked at
         self._serving_in = None       # the store where this rank said it serves (serving_key)
+        self._said_in = None          # the last such store: at exit the group may be destroyed
         self._groups = set()          # the groups' ranks this process sharded state over
         self._kept = {}               # (group's ranks, number) -> (step, parts) of a freed optimizer
         self._stopping = False        # at exit: the service thread ends at its next poll
@@ -146,7 +147,7 @@ class ShardService:
             return
         if serving:
             store.set(serving_key(dist.rank()), b"1")
-            self._serving_in = store
+            self._serving_in = self._said_in = store
         else:
             _forget(store, [serving_key(dist.rank())])
             self._serving_in = None
@@ -158,7 +159,7 @@ class ShardService:
         step, needs the others' shares after they have left their loops. Then the service thread
         ends, before the interpreter tears the store down under it."""
         try:
-            store = self._serving_in or (job_store() if self._groups else None)
+            store = self._said_in
             if store is None:
                 return
             me = dist.rank()
