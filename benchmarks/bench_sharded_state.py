@@ -104,12 +104,13 @@ def worker(model_name, steps, warmup):
 
 
 def environment(name, policy_dir):
-    """The contender's variables, its policy file written into ``policy_dir`` where it has one."""
+    """The contender's variables, its policy file written into ``policy_dir`` (once) where it has one."""
     env = dict(CONTENDERS[name])
     for key, value in env.items():
         if isinstance(value, tuple):
             path = pathlib.Path(policy_dir) / f"{name}.yaml"
-            path.write_text(OURS_SHARDED.format(mode=value[1]))
+            if not path.exists():
+                path.write_text(OURS_SHARDED.format(mode=value[1]))
             env[key] = str(path)
     return env
 

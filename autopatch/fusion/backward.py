@@ -42,6 +42,16 @@ class AccumulationError(RuntimeError):
     """A parameter's gradient arrived twice before step(): backward fusion would be wrong."""
 
 
+ACCUMULATION = "a parameter received a second gradient before step() (gradient accumulation)"
+
+
+def refuse_closure(closure):
+    """Mode backward updates inside backward: a step() that runs backward itself cannot be one."""
+    if closure is not None:
+        raise RuntimeError("autopatch mode 'backward' cannot run a closure-based step(); "
+                           "use mode 'multi_layer' or 'auto'")
+
+
 class BackwardFusion(Strategy):
     opt = WeakOptimizer()
 
@@ -133,7 +143,7 @@ class BackwardFusion(Strategy):
                 return
             if self.arrived[slot]:
                 if not self.strict:
-                    self.unsafe = "a parameter received a second gradient before step() (gradient accumulation)"
+                    self.unsafe = ACCUMULATION
                     return
                 raise AccumulationError(
                     "autopatch mode 'backward': a parameter received a second gradient before "
@@ -180,9 +190,7 @@ class BackwardFusion(Strategy):
         return bool(self.stepped)
 
     def before_step(self, closure):
-        if closure is not None:
-            raise RuntimeError("autopatch mode 'backward' cannot run a closure-based step(); "
-                               "use mode 'multi_layer' or 'auto'")
+        refuse_closure(closure)
         if not self.armed:
             return None         # first step in this mode runs as unpatched; hooks arm after it
         done = {(id(run), ci) for run, ci in self.stepped}

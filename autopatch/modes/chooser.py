@@ -185,7 +185,7 @@ class ModeChooser:
         how = {AUTO: "auto runs multi_layer, the mode that shards it, without measuring",
                MULTI_LAYER: "multi_layer"}.get(self.requested, f"multi_layer: {self.requested} does not shard it")
         if self.requested == BACKWARD:
-            why_not = self.eligibility.check(opt, BACKWARD) or self.shard.why_not_in_backward()
+            why_not = self.eligibility.check(opt, BACKWARD) or self.why_not_sharded(BACKWARD)
             if why_not is None:
                 n = self.fusion.observe_steps
                 self.observation = Observation(opt, n)
@@ -208,8 +208,9 @@ class ModeChooser:
         return None
 
     def _everywhere(self, why):
-        """Sharded ranks leave multi_layer together (leaving it gathers the state, a collective):
-        backward only where every rank's watch allows it."""
+        """Sharded ranks leave multi_layer together (a switch may gather the state, a collective,
+        and every rank must step its share the same way): backward only where every rank's watch
+        allows it."""
         try:
             verdicts = agreement.gather(f"sharded backward of {self.qualname}", why, self.shard.group)
         except Exception as e:

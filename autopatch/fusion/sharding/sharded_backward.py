@@ -19,7 +19,7 @@ with the reason (``unsafe``).
 """
 
 from ...steps_in_flight import IN_FLIGHT
-from ..backward import AccumulationError
+from ..backward import ACCUMULATION, AccumulationError, refuse_closure
 from ..routes import Route
 from .sharded_step import ShardedStep
 
@@ -40,23 +40,29 @@ class ShardedBackward(ShardedStep):
         self.done = set()        # this step: (id(run), chunk index) updated inside backward
         self.in_backward = 0     # chunk updates done inside backward
         self.hook = None
+        self._armed_runs = None  # the sharded runs ``units`` were built for (``sharded`` of a plan)
 
     def _arm(self):
-        """Count down the own chunks of the current plan's sharded runs on the allreduce's events."""
-        self._unhook()
-        if self.planner.needs_plan() or not self.sharded:
-            return
-        group_of = {id(run): gi for gi, plan in enumerate(self.planner.plans) for run in plan.runs}
-        for run in self.sharded:
-            for ci in run.own:
-                i0, i1 = run.chunk_spans[ci]
-                unit = len(self.units)
-                self.units.append((group_of[id(run)], run, ci))
-                self.sizes.append(i1 - i0)
-                for p in run.params[i0:i1]:
-                    self.units_of.setdefault(id(p), []).append(unit)
+        """Count down the own chunks of the plan's sharded runs on the allreduce's events: built
+        once per plan, and only the counts start again at each step. A plan that went stale
+        since is caught at its first update (``_step_unit``)."""
+        if self.sharded is not self._armed_runs:
+            self._unhook()
+            if not self.sharded:
+                return
+            group_of = {id(run): gi for gi, plan in enumerate(self.planner.plans) for run in plan.runs}
+            for run in self.sharded:
+                for ci in run.own:
+                    i0, i1 = run.chunk_spans[ci]
+                    unit = len(self.units)
+                    self.units.append((group_of[id(run)], run, ci))
+                    self.sizes.append(i1 - i0)
+                    for p in run.params[i0:i1]:
+                        self.units_of.setdefault(id(p), []).append(unit)
+            self._armed_runs = self.sharded
+            self.hook = self.averaged_by.on_averaged(self._on_averaged)
         self.left = list(self.sizes)
-        self.hook = self.averaged_by.on_averaged(self._on_averaged)
+        self.arrived, self.done = set(), set()
 
     def _unhook(self):
         if self.hook is not None:
@@ -64,6 +70,7 @@ class ShardedBackward(ShardedStep):
             self.hook = None
         self.units, self.units_of, self.sizes, self.left = [], {}, [], []
         self.arrived, self.done = set(), set()
+        self._armed_runs = None
 
     def _on_averaged(self, params):
         """A region (steps_in_flight.py): enable() and disable() land between two buckets."""
@@ -75,11 +82,10 @@ class ShardedBackward(ShardedStep):
                 if not units or self.unsafe:
                     continue
                 if id(p) in self.arrived:
-                    why = "a parameter received a second gradient before step() (gradient accumulation)"
                     if self.strict:
-                        raise AccumulationError(f"autopatch mode 'backward' (sharded): {why}; use mode "
-                                                "'multi_layer' or 'auto' for this optimizer")
-                    self.unsafe = why
+                        raise AccumulationError(f"autopatch mode 'backward' (sharded): {ACCUMULATION}; use "
+                                                "mode 'multi_layer' or 'auto' for this optimizer")
+                    self.unsafe = ACCUMULATION
                     return
                 self.arrived.add(id(p))
                 for unit in units:
@@ -125,9 +131,7 @@ class ShardedBackward(ShardedStep):
         return bool(self.done)
 
     def before_step(self, closure):
-        if closure is not None:
-            raise RuntimeError("autopatch mode 'backward' cannot run a closure-based step(); "
-                               "use mode 'multi_layer' or 'auto'")
+        refuse_closure(closure)
         return super().before_step(None)
 
     def after_step(self):
